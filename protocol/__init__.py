@@ -1,0 +1,4 @@
+"""Messages and socket plumbing shared by the frontend, scheduler and worker processes.
+
+Nothing in this package imports torch: every process, the API front end included, can load it.
+"""

@@ -1,0 +1,240 @@
+"""Every message that crosses a process boundary, as msgspec structs.
+
+Conventions (see ../docs/architecture.md):
+- every struct is ``array_like`` (encoded as a msgpack array): fields are only ever appended,
+  with defaults, and never reordered, so an older peer can still decode a newer message;
+- one tagged union per receiving socket (``ToWorker``, ``ToScheduler``, ``ToFrontend``), decoded
+  by one typed decoder, so a message of the wrong type is a decode error, never a surprise;
+- a step sends what changed (new tokens, new block ids), not whole request state.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class Message(msgspec.Struct, tag=True, array_like=True, gc=False, frozen=True, kw_only=True):
+    """Base of every top-level message. The tag is the class name."""
+
+
+class SamplingParams(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
+    """How one request chooses its tokens, and when it stops.
+
+    ``temperature == 0`` means greedy. ``top_k is None`` and ``top_p == 1`` and ``min_p == 0``
+    switch those filters off. ``logprobs is None`` returns no logprobs; ``0`` returns the
+    sampled token's logprob only; ``N`` (at most 20) adds the top N alternatives.
+    ``seed is None`` draws from the worker's own seeded generator.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    logprobs: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler -> worker
+
+
+class StepItem(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
+    """One request's share of one step.
+
+    The worker keeps one cache row per slot: the row's block table and how many tokens of K/V
+    it holds. ``new_blocks`` are appended to that block table before the forward. ``token_ids``
+    are the tokens to compute, at positions ``[start, start + len(token_ids))``; every position
+    below ``start`` is already cached in the row. ``start == 0`` begins a fresh row: it then
+    carries ``params`` and ``prompt_len`` (the worker needs both for penalties and seeds, and
+    a recomputed request resends its prompt plus everything it had generated).
+    ``sample`` is False for a prefill chunk that does not reach the end of the known tokens.
+    """
+
+    request_id: str
+    slot: int
+    new_blocks: list[int]
+    token_ids: list[int]
+    start: int
+    sample: bool = True
+    params: SamplingParams | None = None
+    prompt_len: int = 0
+
+
+class StepInput(Message):
+    """One iteration's work. ``released_slots`` are emptied before any item runs."""
+
+    step_id: int
+    items: list[StepItem]
+    released_slots: list[int] = []
+    audit: bool = False
+
+
+class Shutdown(Message):
+    """Ask the worker to exit cleanly."""
+
+    reason: str = ""
+
+
+class SchedulerHello(Message):
+    """The scheduler's greeting to a worker that has announced itself (or that it waits for)."""
+
+    protocol_version: int = PROTOCOL_VERSION
+
+
+SchedulerToWorker = StepInput | Shutdown | SchedulerHello
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker -> scheduler
+
+
+class Sample(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
+    """One sampled token. ``top_logprobs`` is ``[(token_id, logprob), ...]``, best first."""
+
+    request_id: str
+    slot: int
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class RowSummary(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
+    """What the worker's cache row for one slot holds, sent while auditing is on.
+
+    ``request_id`` is the tenant the row was last started for, or None for an empty row.
+    ``num_cached`` is how many tokens of K/V the row holds.
+    """
+
+    slot: int
+    request_id: str | None
+    block_ids: list[int]
+    num_cached: int
+
+
+class StepResult(Message):
+    """The answer to one StepInput. ``rows`` is filled only when the step asked for an audit."""
+
+    step_id: int
+    samples: list[Sample]
+    rows: list[RowSummary] | None = None
+    forward_s: float = 0.0
+
+
+class WorkerReady(Message):
+    """A worker announces itself and its cache geometry."""
+
+    protocol_version: int
+    model_id: str
+    num_blocks: int
+    block_size: int
+    num_slots: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    vocab_size: int
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+class Heartbeat(Message):
+    """Liveness, sent by every process to its peers at a fixed period while idle or busy."""
+
+    sender: str
+    time: float
+
+
+WorkerToScheduler = StepResult | WorkerReady | Heartbeat
+
+
+# ---------------------------------------------------------------------------------------------
+# Frontend -> scheduler
+
+
+class FrontendHello(Message):
+    """A frontend introduces itself; the scheduler answers with SchedulerInfo."""
+
+    protocol_version: int
+    frontend_id: str
+
+
+class AddRequest(Message):
+    """A new request, already tokenized and validated by the frontend."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class Abort(Message):
+    """Drop a request wherever it is; everything it holds returns to the pools."""
+
+    request_id: str
+
+
+FrontendToScheduler = AddRequest | Abort | FrontendHello | Heartbeat
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler -> frontend
+
+
+class RequestOutput(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
+    """What one request gained in one step.
+
+    ``new_token_ids`` includes a stop or EOS token when that is what finished the request (as
+    transformers' generate does); the frontend leaves it out of the text. ``finish_reason`` is
+    None while the request runs, then one of "stop", "length", "abort", "error".
+    ``logprobs`` and ``top_logprobs`` run parallel to ``new_token_ids`` when asked for.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
+    """Gauges and counters for /metrics, sent with every batch of outputs."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    num_preemptions_total: int = 0
+    num_steps_total: int = 0
+    worker_ready: bool = False
+    worker_busy_s_total: float = 0.0
+
+
+class Outputs(Message):
+    """Every output one step produced for one frontend, plus the scheduler's gauges."""
+
+    outputs: list[RequestOutput]
+    stats: EngineStats | None = None
+
+
+class SchedulerInfo(Message):
+    """The scheduler's answer to FrontendHello, and its notice when a worker comes or goes."""
+
+    protocol_version: int
+    worker_ready: bool
+    model_id: str = ""
+    max_model_len: int = 0
+    num_blocks: int = 0
+    block_size: int = 0
+
+
+SchedulerToFrontend = Outputs | SchedulerInfo | Heartbeat
