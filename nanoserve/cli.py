@@ -12,7 +12,15 @@ import importlib
 import sys
 
 # Top-level commands, then the ``bench`` family. Order is the order of ``--help``.
-COMMANDS = ["serve", "generate", "soak", "sweep_watermark", "processes"]
+COMMANDS = [
+    "serve",
+    "frontend",
+    "scheduler",
+    "worker",
+    "generate",
+    "soak",
+    "sweep_watermark",
+]
 BENCH_COMMANDS = ["bench_forward", "bench_scheduler", "bench_serve"]
 
 

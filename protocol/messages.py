@@ -122,12 +122,17 @@ class RowSummary(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only
 
 
 class StepResult(Message):
-    """The answer to one StepInput. ``rows`` is filled only when the step asked for an audit."""
+    """The answer to one StepInput. ``rows`` is filled only when the step asked for an audit.
+
+    ``error`` is set when the worker refused the step (a protocol violation): nothing of it ran,
+    and the scheduler must treat the worker's rows as lost.
+    """
 
     step_id: int
     samples: list[Sample]
     rows: list[RowSummary] | None = None
     forward_s: float = 0.0
+    error: str | None = None
 
 
 class WorkerReady(Message):

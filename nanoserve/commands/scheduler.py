@@ -1,0 +1,53 @@
+"""``nanoserve scheduler``: the scheduler process (ledgers, planning, audit)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from nanoserve.options import add_address_args, addresses_from, env
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``scheduler``."""
+    parser = sub.add_parser("scheduler", help="run the scheduler process")
+    add_address_args(parser)
+    add_scheduler_args(parser)
+    parser.set_defaults(func=run)
+
+
+def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
+    """The scheduler's own options (also used by ``nanoserve serve``)."""
+    group = parser.add_argument_group("scheduler")
+    group.add_argument(
+        "--token-budget",
+        type=int,
+        default=env("token_budget", 2048, int),
+        help="tokens computed per iteration at most (chunked prefill beyond it)",
+    )
+    group.add_argument(
+        "--watermark-blocks",
+        type=int,
+        default=env("watermark_blocks", None, int),
+        help="blocks held back at admission (default 1%% of the pool)",
+    )
+    group.add_argument(
+        "--audit",
+        action="store_true",
+        default=env("audit", False, bool),
+        help="check every ledger invariant between iterations",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the scheduler process until interrupted."""
+    from scheduler.config import SchedulerConfig
+    from scheduler.process import run_scheduler
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s"
+    )
+    config = SchedulerConfig(
+        token_budget=args.token_budget, watermark_blocks=args.watermark_blocks, audit=args.audit
+    )
+    return run_scheduler(config=config, addresses=addresses_from(args))

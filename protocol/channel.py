@@ -1,0 +1,69 @@
+"""One small helper that owns a ZeroMQ socket, its msgspec encoder and its typed decoder.
+
+Every socket in nanoserve is either a ROUTER (bound by the scheduler; frames are
+``[peer_identity, payload]``) or a DEALER (frontends and the worker; frames are ``[payload]``).
+The same class serves both, blocking or asyncio (``zmq.asyncio`` sockets). A frame that does not
+decode into the socket's union raises ``BadMessage``: callers log it, count it and carry on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+
+T = TypeVar("T")
+
+
+class BadMessage(Exception):
+    """A frame that is not a valid message for this socket (garbage, truncated, wrong type)."""
+
+    def __init__(self, reason: str, peer: bytes | None) -> None:
+        super().__init__(reason)
+        self.peer = peer
+
+
+class Channel(Generic[T]):
+    """Typed messages over one socket. ``inbox`` is the union this socket may receive."""
+
+    def __init__(self, socket: zmq.Socket, inbox: Any) -> None:
+        self.socket = socket
+        self.is_router = socket.socket_type == zmq.ROUTER
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(inbox)
+
+    def _frames(self, message: msgspec.Struct, peer: bytes | None) -> list[bytes]:
+        payload = self._encoder.encode(message)
+        if self.is_router:
+            if peer is None:
+                raise ValueError("a ROUTER channel needs the peer identity to send to")
+            return [peer, payload]
+        return [payload]
+
+    def _decode(self, frames: list[bytes]) -> tuple[bytes | None, T]:
+        peer = frames[0] if self.is_router and len(frames) == 2 else None
+        if len(frames) != (2 if self.is_router else 1):
+            raise BadMessage(
+                f"expected {2 if self.is_router else 1} frames, got {len(frames)}", peer
+            )
+        try:
+            return peer, self._decoder.decode(frames[-1])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BadMessage(str(exc), peer) from None
+
+    def send(self, message: msgspec.Struct, peer: bytes | None = None) -> None:
+        """Send without blocking the caller's loop (ROUTER drops frames for unknown peers)."""
+        self.socket.send_multipart(self._frames(message, peer), copy=False)
+
+    def recv(self) -> tuple[bytes | None, T]:
+        """Receive one message as ``(peer, message)``; peer is None on a DEALER."""
+        return self._decode(self.socket.recv_multipart())
+
+    async def asend(self, message: msgspec.Struct, peer: bytes | None = None) -> None:
+        """``send`` for a ``zmq.asyncio`` socket."""
+        await self.socket.send_multipart(self._frames(message, peer), copy=False)
+
+    async def arecv(self) -> tuple[bytes | None, T]:
+        """``recv`` for a ``zmq.asyncio`` socket."""
+        return self._decode(await self.socket.recv_multipart())
