@@ -1,0 +1,90 @@
+"""What ``nanoserve bench serve`` sends: the shipped prompt set (``prompts.jsonl``), seeded
+synthetic prompts (random token ids or random words) and seeded Poisson arrival times.
+
+Everything here is a pure function of its arguments and seed, so two runs with the same flags
+send the same prompts at the same offsets to every server compared.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+SHIPPED_PROMPTS = Path(__file__).parent / "prompts.jsonl"
+# Random token ids skip the low ids, where most vocabularies keep their special tokens.
+FIRST_PLAIN_TOKEN = 100
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One prompt to send. ``prompt_len`` is exact for token ids and a word count for text."""
+
+    prompt: str | list[int]
+    prompt_len: int
+    output_len: int
+
+
+def build_workload(
+    *,
+    dataset: str,
+    prompt_format: str,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    vocab_size: int,
+    seed: int,
+) -> list[BenchRequest]:
+    """``num_prompts`` seeded requests. ``dataset`` is "random" (token ids, or random words
+    when ``prompt_format`` is "text") or "shipped" (the prompt set, shuffled and cycled)."""
+    rng = random.Random(seed)
+    in_lens = _lengths(rng, input_len, range_ratio, num_prompts)
+    out_lens = _lengths(rng, output_len, range_ratio, num_prompts)
+    if dataset == "shipped":
+        texts = load_shipped_prompts()
+        rng.shuffle(texts)
+        picks = [texts[i % len(texts)] for i in range(num_prompts)]
+        return [BenchRequest(t, len(t.split()), n) for t, n in zip(picks, out_lens, strict=True)]
+    if prompt_format == "text":
+        words = shipped_words()
+        return [
+            BenchRequest(" ".join(rng.choices(words, k=n)), n, m)
+            for n, m in zip(in_lens, out_lens, strict=True)
+        ]
+    ids = range(FIRST_PLAIN_TOKEN, vocab_size)
+    return [
+        BenchRequest(rng.choices(ids, k=n), n, m) for n, m in zip(in_lens, out_lens, strict=True)
+    ]
+
+
+def _lengths(rng: random.Random, mean: int, ratio: float, count: int) -> list[int]:
+    # vLLM's random dataset: uniform integers in [mean * (1 - r), mean * (1 + r)], at least 1.
+    low, high = max(1, math.floor(mean * (1 - ratio))), math.ceil(mean * (1 + ratio))
+    return [rng.randint(low, high) for _ in range(count)]
+
+
+def load_shipped_prompts(path: Path = SHIPPED_PROMPTS) -> list[str]:
+    """The prompts of the shipped JSONL set, one ``{"prompt": ...}`` object per line."""
+    return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def shipped_words() -> list[str]:
+    """The sorted distinct lowercase words of the shipped prompts: the random-text vocabulary."""
+    words = {w.strip(".,?!:;'\"()").lower() for t in load_shipped_prompts() for w in t.split()}
+    return sorted(w for w in words if w.isalpha())
+
+
+def arrival_offsets(count: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request is sent: Poisson arrivals at ``rate``
+    per second (exponential gaps), or all at zero when the rate is infinite."""
+    if math.isinf(rate):
+        return [0.0] * count
+    rng = random.Random(f"arrivals-{seed}")  # its own stream: lengths do not shift arrivals
+    offsets, now = [], 0.0
+    for _ in range(count):
+        offsets.append(now)
+        now += rng.expovariate(rate)
+    return offsets

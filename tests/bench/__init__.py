@@ -1,0 +1,1 @@
+"""Tests of ``nanoserve bench serve`` against a scripted OpenAI-compatible stub server."""
