@@ -1,0 +1,142 @@
+"""Start the three real nanoserve processes for a test, and end them by PID.
+
+Each server gets its own run id (so its ipc sockets never collide with another run's) and a
+free port on 127.0.0.1. Every wait is bounded; ``stop`` SIGTERMs, then SIGKILLs what lingers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROLES = ("scheduler", "worker", "frontend")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A running set of nanoserve processes."""
+
+    port: int
+    run_id: str
+    log_dir: Path
+    env: dict[str, str]
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, role: str, *extra: str) -> subprocess.Popen:
+        """Start (or restart) one role's process, its output going to <log_dir>/<role>.log."""
+        log = open(self.log_dir / f"{role}.log", "ab")  # noqa: SIM115 - closed with the process
+        command = [sys.executable, "-m", "nanoserve.cli", role, *extra]
+        process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.processes[role] = process
+        return process
+
+    def get(self, path: str, timeout: float = 5.0) -> tuple[int, str]:
+        """GET a path; returns (status, body) and never raises for an HTTP status."""
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    def wait_healthy(self, timeout: float = 240.0) -> None:
+        """Block until /health answers 200, or raise with the processes' logs."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                if self.get("/health", timeout=2.0)[0] == 200:
+                    return
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.1)
+        raise TimeoutError(f"server not healthy after {timeout}s\n{self.logs()}")
+
+    def check_alive(self) -> None:
+        """Raise, with the logs, if any process has exited."""
+        for role, process in self.processes.items():
+            if process.poll() is not None:
+                raise RuntimeError(f"{role} exited with {process.returncode}\n{self.logs()}")
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics as {sample name with labels: value} (comments dropped)."""
+        status, body = self.get("/metrics")
+        if status != 200:
+            raise RuntimeError(f"/metrics answered {status}")
+        values = {}
+        for line in body.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        return values
+
+    def logs(self, tail: int = 40) -> str:
+        """The last lines of every process's log."""
+        parts = []
+        for role in ROLES:
+            path = self.log_dir / f"{role}.log"
+            if path.exists():
+                lines = path.read_text(errors="replace").splitlines()[-tail:]
+                parts.append(f"--- {role} ---\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM every process by PID, then SIGKILL whatever is still alive."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for process in self.processes.values():
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def start_server(log_dir: Path, **options: object) -> Server:
+    """Start scheduler, worker and frontend with NANOSERVE_<OPTION> set from ``options``."""
+    port = free_port()
+    run_id = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ)
+    env.update({"NANOSERVE_RUN_ID": run_id, "NANOSERVE_PORT": str(port), "PYTHONUNBUFFERED": "1"})
+    env.update({f"NANOSERVE_{k.upper()}": str(v) for k, v in options.items()})
+    log_dir.mkdir(parents=True, exist_ok=True)
+    server = Server(port=port, run_id=run_id, log_dir=log_dir, env=env)
+    try:
+        for role in ROLES:
+            server.start(role)
+        server.wait_healthy()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def sse_events(raw: bytes) -> list[dict]:
+    """Parse an SSE body into its JSON events, checking it ends with ``data: [DONE]``."""
+    lines = [line for line in raw.decode().splitlines() if line.startswith("data: ")]
+    if not lines or lines[-1] != "data: [DONE]":
+        raise AssertionError(f"stream did not end with [DONE]: {lines[-3:]}")
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
