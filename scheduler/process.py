@@ -212,7 +212,7 @@ class SchedulerProcess:
         from scheduler.engine import Engine
 
         if self.engine is None:
-            self.engine = Engine.from_geometry(ready, self.config)
+            self.engine = Engine(ready, self.config)
         else:
             self.engine.worker_lost()  # running requests go back to waiting with their tokens
         self.worker = _Worker(peer=peer, ready=ready, last_seen=time.monotonic())
@@ -238,6 +238,8 @@ class SchedulerProcess:
             self.engine.worker_lost()
             return
         outputs = self.engine.apply(result)
+        if self.config.audit:
+            self.engine.audit(result.rows)  # InvariantViolation ends the process, loudly
         self.counters.scheduler_s += time.perf_counter() - started
         self._route(outputs)
 

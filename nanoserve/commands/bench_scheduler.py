@@ -1,0 +1,88 @@
+"""``nanoserve bench scheduler``: the time of one schedule() with 256 running requests and of
+one full audit of a 100k-block pool (torch-free, no model)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register the command."""
+    p = subparsers.add_parser("scheduler", help="time schedule() and the audit")
+    p.add_argument("--running", type=int, default=256, help="running requests for schedule()")
+    p.add_argument("--audit-blocks", type=int, default=100_000, help="pool size for the audit")
+    p.add_argument("--repeats", type=int, default=20)
+    p.set_defaults(func=run)
+
+
+def _steady_scheduler(num_requests: int, num_blocks: int, block_size: int, prompt_len: int):
+    """A scheduler with ``num_requests`` running and decoding (fake samples, no worker)."""
+    from protocol.messages import SamplingParams
+    from scheduler.block_allocator import BlockAllocator
+    from scheduler.scheduler import Scheduler
+
+    sched = Scheduler(
+        BlockAllocator(num_blocks, block_size),
+        num_slots=num_requests,
+        token_budget=max(8192, num_requests * prompt_len),
+        watermark_blocks=0,
+    )
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    for i in range(num_requests):
+        sched.add_request(f"r{i}", [1 + i % 50] * (prompt_len + i % block_size), params)
+    _apply(sched, sched.schedule())
+    return sched
+
+
+def _apply(sched, batch) -> None:
+    for chunk in batch.chunks:
+        sched.on_computed(chunk, 11 if chunk.sample else None)
+
+
+def time_schedule(num_requests: int, repeats: int) -> float:
+    """Median seconds of one schedule() in steady decode with ``num_requests`` running."""
+    sched = _steady_scheduler(num_requests, num_requests * 64, 16, 100)
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        batch = sched.schedule()
+        times.append(time.perf_counter() - began)
+        _apply(sched, batch)
+    if len(sched.running) != num_requests:
+        raise RuntimeError("the benchmark's requests were meant to keep running")
+    return statistics.median(times)
+
+
+def time_audit(num_blocks: int, repeats: int) -> tuple[float, int]:
+    """Median seconds of one full audit (pool, slots, requests) of a ``num_blocks`` pool that is
+    about three quarters held, and the number of blocks held."""
+    from scheduler.audit import audit_all
+
+    block_size = 16
+    requests = 256
+    per_request = (num_blocks * 3 // 4) // requests
+    sched = _steady_scheduler(requests, num_blocks, block_size, per_request * block_size - 15)
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        audit_all(sched)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times), num_blocks - sched.allocator.num_free
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print both figures."""
+    if args.running < 1 or args.audit_blocks < 1024 or args.repeats < 1:
+        raise ValueError("need --running >= 1, --audit-blocks >= 1024, --repeats >= 1")
+    schedule_s = time_schedule(args.running, args.repeats)
+    audit_s, held = time_audit(args.audit_blocks, max(3, args.repeats // 4))
+    print(
+        f"schedule() with {args.running} running requests: {schedule_s * 1e3:.3f} ms (aim < 1 ms)"
+    )
+    print(
+        f"full audit of a {args.audit_blocks}-block pool ({held} held): {audit_s * 1e3:.2f} ms "
+        f"(aim < 20 ms)"
+    )
+    return 0

@@ -1,0 +1,137 @@
+"""``nanoserve generate``: offline batch generation on the in-process Engine.
+
+Reads JSONL (one of "prompt", "messages" or "prompt_token_ids" per line) and prints one JSON
+line per prompt, in input order, with "token_ids" and "text".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_worker_flags(
+    p: argparse.ArgumentParser,
+    *,
+    num_blocks: int | None,
+    block_size: int,
+    num_slots: int,
+    token_budget: int,
+) -> None:
+    """The model and pool-shape flags shared by generate and soak."""
+    p.add_argument("--model", default=None, help="model name or path (default: SmolLM2-135M)")
+    p.add_argument("--num-blocks", type=int, default=num_blocks)
+    p.add_argument("--block-size", type=int, default=block_size)
+    p.add_argument("--num-slots", type=int, default=num_slots)
+    p.add_argument("--token-budget", type=int, default=token_budget)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register the command."""
+    p = subparsers.add_parser("generate", help="offline batch generation from a JSONL file")
+    p.add_argument("--prompts-file", required=True, type=Path)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    add_worker_flags(p, num_blocks=None, block_size=16, num_slots=16, token_budget=512)
+    p.set_defaults(func=run)
+
+
+def read_prompts(path: Path) -> list[dict]:
+    """The JSONL lines, each checked to hold exactly one known prompt field."""
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file not found: {path}")
+    lines = []
+    for number, text in enumerate(path.read_text().splitlines(), 1):
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+        keys = {"prompt", "messages", "prompt_token_ids"} & set(
+            line if isinstance(line, dict) else ()
+        )
+        if len(keys) != 1:
+            raise ValueError(f"{path}:{number}: need one of prompt, messages, prompt_token_ids")
+        lines.append(line)
+    if not lines:
+        raise ValueError(f"{path}: no prompts")
+    return lines
+
+
+def tokenize(line: dict, tokenizer) -> list[int]:
+    """A line's prompt as token ids: text as a completions API would, chat via the template."""
+    if "prompt_token_ids" in line:
+        ids = line["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        return ids
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: give prompt_token_ids")
+    if "prompt" in line:
+        return tokenizer(line["prompt"])["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        line["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def load_tokenizer(model: str | None):
+    """The model's tokenizer, or None for a checkpoint that has none."""
+    from transformers import AutoTokenizer
+
+    from nanoserve.model_files import resolve_model
+
+    files = resolve_model(model)
+    try:
+        if files.gguf_file:
+            return AutoTokenizer.from_pretrained(files.directory, gguf_file=files.gguf_file)
+        return AutoTokenizer.from_pretrained(files.directory)
+    except (OSError, ValueError):
+        return None
+
+
+def make_worker(args: argparse.Namespace):
+    """The real worker with the pool shape from the flags."""
+    from worker.config import WorkerConfig
+    from worker.worker import Worker
+
+    config = WorkerConfig(
+        model=args.model,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        num_slots=args.num_slots,
+        seed=args.seed,
+    )
+    return Worker(config, progress=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate for every line and print the results as JSON lines."""
+    from protocol.messages import SamplingParams
+    from scheduler.config import SchedulerConfig
+    from scheduler.engine import Engine
+
+    lines = read_prompts(args.prompts_file)
+    tokenizer = load_tokenizer(args.model)
+    prompts = [tokenize(line, tokenizer) for line in lines]
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    engine = Engine.for_worker(make_worker(args), SchedulerConfig(token_budget=args.token_budget))
+    for out in engine.generate(prompts, params):
+        ids = out.new_token_ids
+        text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else None
+        print(
+            json.dumps({"token_ids": ids, "text": text, "finish_reason": out.finish_reason}),
+            flush=True,
+        )
+    return 0

@@ -1,0 +1,259 @@
+"""The engine's invariants written down as code, checked between iterations (design note 000).
+
+Observation point: these checks hold for a settled engine, after a step's results are applied
+and before the next schedule(). Exactly two carry slack, both for work really in flight:
+
+1. a running request's blocks must cover ``num_tokens - 1``: between a sample and the next
+   schedule it holds one token (the sampled one) more than its blocks need to cache;
+2. a cache row may be one block behind its request: the scheduler grows a request at the top
+   of an iteration and the row learns of the new block with the step that writes into it.
+
+Released slots are not a third slack. A slot freed by a finish or an abort reaches the worker
+with the NEXT StepInput (``released_slots``), so between iterations its row may still show the
+last tenant. ``audit_rows`` audits the rows as they will be once those pending releases apply,
+and checks the pending list itself: every pending slot must be free in the slot ledger, and the
+stale tenant must be gone from the scheduler with none of its row's blocks held by anyone. A
+slot that is free but not pending must have an empty row, with no tolerance at all.
+
+The pool ledger has no slack, which is why it is the check that finds things.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from protocol.messages import RowSummary
+from scheduler.request import Request, RequestStatus
+from scheduler.scheduler import Scheduler
+
+
+class InvariantViolation(RuntimeError):
+    """A ledger disagrees with itself or with the worker's rows. The message names the block,
+    slot or request and what is wrong."""
+
+
+def audit_all(scheduler: Scheduler, rows: list[RowSummary] | None = None) -> None:
+    """Run every check; ``rows`` (the worker's cache rows) are checked when given."""
+    audit_pool(scheduler)
+    audit_slots(scheduler)
+    audit_requests(scheduler)
+    if rows is not None:
+        audit_rows(scheduler, rows)
+
+
+def _known(scheduler: Scheduler) -> list[Request]:
+    return list(scheduler.waiting) + list(scheduler.running)
+
+
+def audit_pool(scheduler: Scheduler) -> None:
+    """Every block is free or allocated (never both, never neither), and an allocated block's
+    reference count equals the number of requests holding it (no holder means a leak)."""
+    allocator = scheduler.allocator
+    free = allocator.free_blocks
+    counts = allocator.ref_counts
+    known = _known(scheduler)
+    # Set arithmetic first (fast at 100k blocks); per-block detail only to name a culprit.
+    held_list = [block for request in known for block in request.block_ids]
+    held = set(held_list)
+    if held and (min(held) < 0 or max(held) >= allocator.num_blocks):
+        _raise_out_of_range(known, allocator.num_blocks)
+    both = free & counts.keys()
+    if both:
+        raise InvariantViolation(f"block {min(both)} is both free and allocated")
+    if len(free) + len(counts) != allocator.num_blocks or allocator.num_free != len(free):
+        lost = set(range(allocator.num_blocks)) - free - counts.keys()
+        raise InvariantViolation(f"block {min(lost)} is neither free nor allocated")
+    free_held = free & held
+    if free_held:
+        block = min(free_held)
+        holder = next(r.request_id for r in known if block in r.block_ids)
+        raise InvariantViolation(f"block {block} is free but request {holder} holds it")
+    if len(counts) != len(held):  # held is inside allocated now: only a size check is left
+        leaked = counts.keys() - held
+        raise InvariantViolation(f"block {min(leaked)} is allocated but no request holds it")
+    if len(held_list) != len(held) or (counts and max(counts.values()) != 1):
+        holders = Counter(held_list)
+        for block in sorted(held):
+            if counts[block] != holders[block]:
+                names = [r.request_id for r in known if block in r.block_ids]
+                raise InvariantViolation(
+                    f"block {block} has reference count {counts[block]} but {len(names)} "
+                    f"holders ({', '.join(names)})"
+                )
+
+
+def _raise_out_of_range(known: list[Request], num_blocks: int) -> None:
+    for request in known:
+        for block in request.block_ids:
+            if not 0 <= block < num_blocks:
+                raise InvariantViolation(
+                    f"request {request.request_id} holds block {block}, "
+                    f"out of range 0..{num_blocks - 1}"
+                )
+
+
+def audit_slots(scheduler: Scheduler) -> None:
+    """Every slot is free or held by exactly one running request, never both, never neither;
+    every slot awaiting release is free."""
+    free = scheduler.free_slots
+    dupes = [slot for slot, n in Counter(free).items() if n > 1]
+    if dupes:
+        raise InvariantViolation(f"slot {dupes[0]} is listed free {Counter(free)[dupes[0]]} times")
+    holders: dict[int, str] = {}
+    for request in scheduler.running:
+        slot = request.slot
+        if slot is None:
+            raise InvariantViolation(f"request {request.request_id} is running without a slot")
+        if not 0 <= slot < scheduler.num_slots:
+            raise InvariantViolation(
+                f"request {request.request_id} holds slot {slot}, out of range "
+                f"0..{scheduler.num_slots - 1}"
+            )
+        if slot in holders:
+            raise InvariantViolation(
+                f"slot {slot} is held by both {holders[slot]} and {request.request_id}"
+            )
+        holders[slot] = request.request_id
+    free_set = set(free)
+    for slot in range(scheduler.num_slots):
+        if slot in free_set and slot in holders:
+            raise InvariantViolation(f"slot {slot} is free but request {holders[slot]} holds it")
+        if slot not in free_set and slot not in holders:
+            raise InvariantViolation(f"slot {slot} is neither free nor held by a request")
+    stray = free_set - set(range(scheduler.num_slots))
+    if stray:
+        raise InvariantViolation(f"slot {min(stray)} is listed free but out of range")
+    for slot in scheduler.pending_releases:
+        if slot not in free_set:
+            raise InvariantViolation(f"slot {slot} awaits release but is not free")
+
+
+def audit_requests(scheduler: Scheduler) -> None:
+    """A waiting request holds nothing; a running one holds a slot and exactly the blocks its
+    tokens need (slack 1); both queues are in arrival order, nothing waiting older than anything
+    running; the id index matches the queues."""
+    blocks_for = scheduler.allocator.blocks_for_length
+    for request in scheduler.waiting:
+        _check_waiting(request)
+    for request in scheduler.running:
+        if request.status is not RequestStatus.RUNNING:
+            raise InvariantViolation(
+                f"request {request.request_id} is in the running list with status "
+                f"{request.status.value}"
+            )
+        n, held = request.num_tokens, len(request.block_ids)
+        if not blocks_for(n - 1) <= held <= blocks_for(n):
+            raise InvariantViolation(
+                f"request {request.request_id} holds {held} blocks for {n} tokens "
+                f"(needs {blocks_for(n - 1)} to {blocks_for(n)})"
+            )
+        if not request.num_computed < n:
+            raise InvariantViolation(
+                f"request {request.request_id} has computed {request.num_computed} of {n} tokens "
+                "(the last sampled token is never computed before the next step)"
+            )
+    _check_order(scheduler)
+
+
+def _check_waiting(request: Request) -> None:
+    name = request.request_id
+    if request.status is not RequestStatus.WAITING:
+        raise InvariantViolation(f"request {name} is waiting with status {request.status.value}")
+    if request.slot is not None:
+        raise InvariantViolation(f"request {name} is waiting but holds slot {request.slot}")
+    if request.block_ids:
+        raise InvariantViolation(f"request {name} is waiting but holds blocks {request.block_ids}")
+    if request.num_computed:
+        raise InvariantViolation(f"request {name} is waiting with {request.num_computed} computed")
+
+
+def _check_order(scheduler: Scheduler) -> None:
+    for queue_name, queue in (("waiting", list(scheduler.waiting)), ("running", scheduler.running)):
+        for before, after in zip(queue, queue[1:], strict=False):
+            if before.arrival >= after.arrival:
+                raise InvariantViolation(
+                    f"{queue_name} queue out of arrival order: request {before.request_id} "
+                    f"(arrival {before.arrival}) before request {after.request_id} "
+                    f"(arrival {after.arrival})"
+                )
+    if scheduler.waiting and scheduler.running:
+        head, newest = scheduler.waiting[0], scheduler.running[-1]
+        if head.arrival < newest.arrival:
+            raise InvariantViolation(
+                f"request {head.request_id} (arrival {head.arrival}) is waiting but request "
+                f"{newest.request_id} (arrival {newest.arrival}) arrived later and is running"
+            )
+    ids = [r.request_id for r in _known(scheduler)]
+    if len(ids) != len(set(ids)) or set(ids) != scheduler.known_ids:
+        extra = sorted(set(ids) ^ scheduler.known_ids) or [
+            i for i, n in Counter(ids).items() if n > 1
+        ]
+        raise InvariantViolation(f"request {extra[0]} is not in exactly one queue and the index")
+
+
+def audit_rows(scheduler: Scheduler, rows: list[RowSummary]) -> None:
+    """The worker's cache rows agree with the slot ledger: a free slot's row is empty (once any
+    pending release applies), a held row's blocks are a prefix of its tenant's blocks at most
+    one block behind (slack 2), and its K/V count is exactly what the tenant has computed."""
+    by_slot: dict[int, RowSummary] = {}
+    for row in rows:
+        if row.slot in by_slot:
+            raise InvariantViolation(f"slot {row.slot} has two rows")
+        by_slot[row.slot] = row
+    missing = set(range(scheduler.num_slots)) - by_slot.keys()
+    if missing:
+        raise InvariantViolation(f"slot {min(missing)} has no row in the worker's summary")
+    owners = {r.slot: r for r in scheduler.running}
+    pending = set(scheduler.pending_releases)
+    for slot, row in sorted(by_slot.items()):
+        if slot in pending:
+            _check_stale_row(scheduler, row)
+        elif slot in owners:
+            _check_held_row(scheduler, row, owners[slot])
+        elif row.request_id is not None or row.block_ids or row.num_cached:
+            raise InvariantViolation(
+                f"slot {slot} is free but its row holds request {row.request_id} "
+                f"({len(row.block_ids)} blocks, {row.num_cached} tokens)"
+            )
+
+
+def _check_stale_row(scheduler: Scheduler, row: RowSummary) -> None:
+    if row.request_id is not None and scheduler.get(row.request_id) is not None:
+        raise InvariantViolation(
+            f"slot {row.slot} awaits release but its row's tenant {row.request_id} is still known"
+        )
+    held = {b: r.request_id for r in scheduler.running for b in r.block_ids}
+    for block in row.block_ids:
+        if block in held:
+            raise InvariantViolation(
+                f"slot {row.slot} awaits release but its row's block {block} is held by "
+                f"request {held[block]}"
+            )
+
+
+def _check_held_row(scheduler: Scheduler, row: RowSummary, owner: Request) -> None:
+    name, slot = owner.request_id, row.slot
+    if row.request_id != name:
+        raise InvariantViolation(
+            f"slot {slot} belongs to {name} but its row holds {row.request_id}"
+        )
+    blocks = owner.block_ids
+    if row.block_ids != blocks[: len(row.block_ids)]:
+        raise InvariantViolation(
+            f"row of slot {slot} addresses blocks {row.block_ids}, not a prefix of request "
+            f"{name}'s blocks {blocks}"
+        )
+    if len(row.block_ids) < len(blocks) - 1:
+        raise InvariantViolation(
+            f"row of slot {slot} has {len(row.block_ids)} blocks, more than one behind request "
+            f"{name}'s {len(blocks)}"
+        )
+    if row.num_cached != owner.num_computed:
+        raise InvariantViolation(
+            f"row of slot {slot} holds K/V for {row.num_cached} tokens but request {name} has "
+            f"computed {owner.num_computed}"
+        )
+    if row.num_cached > len(row.block_ids) * scheduler.allocator.block_size:
+        raise InvariantViolation(
+            f"row of slot {slot} holds {row.num_cached} tokens in only {len(row.block_ids)} blocks"
+        )

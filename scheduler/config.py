@@ -1,0 +1,37 @@
+"""SchedulerConfig: the scheduler's knobs. The cache geometry comes from the worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler batches.
+
+    ``num_slots`` and ``max_model_len`` of None take the worker's values (they may only shrink
+    them). ``watermark_blocks`` of None means the default reserve, int(0.01 * num_blocks).
+    ``num_blocks`` of None uses the worker's whole pool; a smaller number uses only that many of
+    its blocks (ids ``0..num_blocks-1``), so one loaded worker can be driven through several
+    pool sizes. ``audit`` runs the invariant checks between every iteration (and asks the worker
+    for its rows).
+    """
+
+    num_slots: int | None = None
+    num_blocks: int | None = None
+    token_budget: int = 512
+    watermark_blocks: int | None = None
+    max_model_len: int | None = None
+    audit: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_slots is not None and self.num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
+        if self.watermark_blocks is not None and self.watermark_blocks < 0:
+            raise ValueError(f"watermark_blocks must be >= 0, got {self.watermark_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -1,0 +1,262 @@
+"""Engine: the scheduling loop around a worker, without sockets.
+
+``plan()`` turns one ``schedule()`` into a StepInput and ``apply()`` folds the StepResult back
+in, so the scheduler process can run the same loop with the worker across a socket; ``step()``
+is plan, execute, apply (and the audit) for a worker in this process. One step is in flight at
+a time, which is what makes an abort between plan() and apply() safe: the aborted request's
+blocks return at once, and no schedule can hand them out before the in-flight write is done.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from protocol.messages import (
+    EngineStats,
+    RequestOutput,
+    RowSummary,
+    SamplingParams,
+    StepInput,
+    StepItem,
+    StepResult,
+    WorkerReady,
+)
+from scheduler.audit import audit_all
+from scheduler.block_allocator import BlockAllocator
+from scheduler.config import SchedulerConfig
+from scheduler.errors import LivelockError
+from scheduler.request import RequestStatus
+from scheduler.scheduler import Batch, ScheduledChunk, Scheduler
+
+
+class WorkerLike(Protocol):
+    """What the engine needs from a worker in this process."""
+
+    def ready(self) -> WorkerReady: ...
+    def execute(self, step: StepInput) -> StepResult: ...
+    def rows(self) -> list[RowSummary]: ...
+
+
+class Engine:
+    """Drives a Scheduler and (optionally) an in-process worker, one iteration per step()."""
+
+    def __init__(
+        self,
+        ready: WorkerReady,
+        config: SchedulerConfig,
+        worker: WorkerLike | None = None,
+        allocator: BlockAllocator | None = None,
+    ) -> None:
+        if config.num_slots is not None and config.num_slots > ready.num_slots:
+            raise ValueError(f"num_slots {config.num_slots} > the worker's {ready.num_slots}")
+        if config.num_blocks is not None and config.num_blocks > ready.num_blocks:
+            raise ValueError(f"num_blocks {config.num_blocks} > the worker's {ready.num_blocks}")
+        if allocator is None:
+            allocator = BlockAllocator(config.num_blocks or ready.num_blocks, ready.block_size)
+        if allocator.num_blocks > ready.num_blocks or allocator.block_size != ready.block_size:
+            raise ValueError("the allocator's geometry does not fit the worker's cache")
+        max_len = min(config.max_model_len or ready.max_model_len, ready.max_model_len)
+        self.ready_info = ready
+        self.config = config
+        self.worker = worker
+        self.scheduler = Scheduler(
+            allocator,
+            num_slots=config.num_slots or ready.num_slots,
+            token_budget=config.token_budget,
+            watermark_blocks=config.watermark_blocks,
+            max_model_len=max_len,
+            eos_token_ids=tuple(ready.eos_token_ids),
+        )
+        self._in_flight: Batch | None = None
+        self._next_step_id = 0
+        self._busy_s = 0.0
+
+    @classmethod
+    def for_worker(
+        cls, worker: WorkerLike, config: SchedulerConfig, allocator: BlockAllocator | None = None
+    ) -> Engine:
+        """An engine sized from ``worker.ready()`` that runs its steps on that worker."""
+        return cls(worker.ready(), config, worker=worker, allocator=allocator)
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+    ) -> None:
+        """Queue a request; RequestRejected (a ValueError) if it could never run."""
+        self.scheduler.add_request(request_id, prompt_token_ids, params or SamplingParams())
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drop a request wherever it is (None if it is unknown or already finished)."""
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        return RequestOutput(
+            request_id=request_id,
+            new_token_ids=[],
+            finish_reason="abort",
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
+
+    def worker_lost(self) -> None:
+        """Forget the step in flight and every cache row: running requests recompute later."""
+        self._in_flight = None
+        self.scheduler.preempt_all()
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_unfinished()
+
+    # -- one iteration --------------------------------------------------------------------------
+    def plan(self) -> StepInput | None:
+        """Schedule one iteration; None when there is nothing to send."""
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self._next_step_id - 1} is still in flight")
+        batch = self.scheduler.schedule()
+        if not batch.chunks and not batch.released_slots:
+            return None
+        self._in_flight = batch
+        items = [self._item(chunk) for chunk in batch.chunks]
+        step = StepInput(
+            step_id=self._next_step_id,
+            items=items,
+            released_slots=batch.released_slots,
+            audit=self.config.audit,
+        )
+        self._next_step_id += 1
+        return step
+
+    @staticmethod
+    def _item(chunk: ScheduledChunk) -> StepItem:
+        request = chunk.request
+        fresh = chunk.start == 0
+        return StepItem(
+            request_id=request.request_id,
+            slot=request.slot,
+            new_blocks=chunk.new_blocks,
+            token_ids=request.token_slice(chunk.start, chunk.start + chunk.num_tokens),
+            start=chunk.start,
+            sample=chunk.sample,
+            params=request.params if fresh else None,
+            prompt_len=request.num_prompt_tokens if fresh else 0,
+        )
+
+    def apply(self, result: StepResult) -> list[RequestOutput]:
+        """Fold a step's samples into the requests; finish and free the ones that stopped."""
+        batch, self._in_flight = self._in_flight, None
+        if batch is None or result.step_id != self._next_step_id - 1:
+            raise RuntimeError(f"result for step {result.step_id} matches no step in flight")
+        self._busy_s += result.forward_s
+        samples = {s.request_id: s for s in result.samples}
+        outputs = []
+        for chunk in batch.chunks:
+            request = chunk.request
+            if self.scheduler.get(request.request_id) is not request:
+                continue  # aborted while the step was in flight: its blocks are back already
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            sample = samples.get(request.request_id) if chunk.sample else None
+            if chunk.sample and sample is None:
+                raise RuntimeError(f"step {result.step_id} has no sample for {request.request_id}")
+            reason = self.scheduler.on_computed(chunk, sample.token_id if sample else None)
+            if sample is None:
+                continue
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+            outputs.append(self._output(request, sample, reason))
+        return outputs
+
+    @staticmethod
+    def _output(request, sample, reason: str | None) -> RequestOutput:
+        logprobs = None if request.params.logprobs is None else [sample.logprob or 0.0]
+        tops = None if not request.params.logprobs else [sample.top_logprobs or []]
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[sample.token_id],
+            finish_reason=reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            logprobs=logprobs,
+            top_logprobs=tops,
+        )
+
+    def step(self) -> list[RequestOutput]:
+        """plan + execute on the in-process worker + apply, then the audit when it is on."""
+        if self.worker is None:
+            raise RuntimeError("this engine has no in-process worker: use plan() and apply()")
+        step = self.plan()
+        if step is None:
+            if self.has_unfinished():
+                raise LivelockError(self.describe_stall())
+            return []
+        result = self.worker.execute(step)
+        outputs = self.apply(result)
+        if self.config.audit:
+            self.audit(result.rows if result.rows is not None else self.worker.rows())
+        return outputs
+
+    def audit(self, rows: list[RowSummary] | None = None) -> None:
+        """Check every invariant (InvariantViolation); only between iterations."""
+        if self._in_flight is not None:
+            raise RuntimeError("audit only between iterations, not with a step in flight")
+        audit_all(self.scheduler, rows)
+
+    def describe_stall(self) -> str:
+        """Why nothing can be scheduled: the waiting head and the numbers that refuse it."""
+        s = self.scheduler
+        if not s.waiting:
+            return f"{len(s.running)} running requests scheduled nothing"
+        head = s.waiting[0]
+        need = s.allocator.blocks_for_length(head.num_tokens)
+        return (
+            f"request {head.request_id} waits for {need} blocks, {s.allocator.num_free} free, "
+            f"reserve {s.watermark_blocks}, {len(s.running)} running: no iteration can change this"
+        )
+
+    # -- whole runs -----------------------------------------------------------------------------
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; one RequestOutput per prompt, in order, holding every
+        generated token."""
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine")
+        per = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(per) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per)} SamplingParams")
+        ids = [f"gen-{self._next_step_id}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, per, strict=True):
+            self.add_request(request_id, prompt, p)
+        collected: dict[str, list[RequestOutput]] = {i: [] for i in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                collected[out.request_id].append(out)
+        return [_merge(rid, collected[rid]) for rid in ids]
+
+    def stats(self) -> EngineStats:
+        """Gauges and counters for /metrics."""
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_blocks_used=s.allocator.num_blocks - s.allocator.num_free,
+            kv_blocks_total=s.allocator.num_blocks,
+            num_preemptions_total=s.num_preemptions_total,
+            num_steps_total=self._next_step_id,
+            worker_ready=True,
+            worker_busy_s_total=self._busy_s,
+        )
+
+
+def _merge(request_id: str, outputs: list[RequestOutput]) -> RequestOutput:
+    tokens = [t for o in outputs for t in o.new_token_ids]
+    logprobs = (
+        None
+        if not outputs or outputs[0].logprobs is None
+        else [lp for o in outputs for lp in o.logprobs or []]
+    )
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=tokens,
+        finish_reason=outputs[-1].finish_reason if outputs else None,
+        num_prompt_tokens=outputs[0].num_prompt_tokens if outputs else 0,
+        logprobs=logprobs,
+    )

@@ -1,0 +1,68 @@
+"""Request: the scheduler's record of one request, from arrival to its finish.
+
+The scheduler owns these records; the worker only ever sees StepItems built from them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from protocol.messages import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is. A preempted request is WAITING again (with tokens kept)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's tokens and holdings.
+
+    ``num_computed`` is how many of its tokens have K/V in its cache row (as of the last applied
+    step). Between iterations a decoding request holds one token more than it has computed: the
+    last sampled token, which the next step feeds back in.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int  # arrival sequence number: the queue order the auditor checks
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int | None = None
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    blocks_sent: int = 0  # how many of block_ids the worker's row has been told about
+    num_preemptions: int = 0
+    admission_blocks: int = 0  # blocks bought by the latest admission (thrash window)
+    high_water: int = 0  # most tokens ever computed: recomputation below this is a re-buy
+    finish_reason: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Length of the original prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus everything generated so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens at positions ``[start, stop)`` of prompt + output."""
+        prompt = self.prompt_token_ids
+        if stop <= len(prompt):
+            return prompt[start:stop]
+        return (prompt + self.output_token_ids)[start:stop]
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while tokens other than the last sampled one still need computing."""
+        return self.num_computed < self.num_tokens - 1

@@ -1,0 +1,286 @@
+"""Scheduler: who waits, who runs, and what each running request computes this iteration.
+
+One iteration (``schedule()``) runs in labelled phases, top to bottom:
+
+1. grow: every running request, oldest first, gets the blocks its next tokens need (a decode
+   token, or the next chunk of a chunked prefill). When the pool has no block left, the newest
+   running request is preempted by recompute: it gives back its blocks and slot, keeps its
+   tokens, and goes back to the head of the waiting queue. The oldest is never preempted.
+2. admit: requests are admitted from the head of the waiting queue while a slot, the blocks
+   for all their known tokens (plus the watermark reserve) and the token budget allow. A prompt
+   longer than the budget left is prefilled in chunks over several iterations.
+
+Running requests arrived before every waiting one, so the queue stays in arrival order even
+though preemption pushes to its head (the auditor checks both claims every iteration).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+
+from protocol.messages import SamplingParams
+from scheduler.block_allocator import BlockAllocator
+from scheduler.errors import RequestRejected
+from scheduler.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's work in one iteration: ``num_tokens`` tokens from position ``start``."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    sample: bool
+    new_blocks: list[int]  # appended to the worker's row (the whole table when start == 0)
+
+
+@dataclass
+class Batch:
+    """What ``schedule()`` decided: the chunks to compute and the slots to empty first."""
+
+    chunks: list[ScheduledChunk]
+    released_slots: list[int]
+    preempted: list[Request]
+
+
+class Scheduler:
+    """The block and slot ledgers plus the waiting and running queues."""
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        num_slots: int,
+        token_budget: int,
+        watermark_blocks: int | None = None,
+        max_model_len: int | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        if num_slots < 1 or token_budget < 1:
+            raise ValueError(
+                f"need num_slots >= 1 and token_budget >= 1, got {num_slots}, {token_budget}"
+            )
+        if watermark_blocks is None:
+            watermark_blocks = int(0.01 * allocator.num_blocks)
+        if not 0 <= watermark_blocks <= allocator.num_blocks:
+            raise ValueError(
+                f"watermark_blocks {watermark_blocks} outside 0..{allocator.num_blocks}"
+            )
+        self.allocator = allocator
+        self.num_slots = num_slots
+        self.token_budget = token_budget
+        self.watermark_blocks = watermark_blocks
+        self.max_model_len = max_model_len or allocator.num_blocks * allocator.block_size + 1
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._free_slots: list[int] = list(range(num_slots))  # a heap: lowest slot first
+        self._pending_releases: list[int] = []  # freed slots the worker has not been told of
+        self._next_arrival = 0
+        self.num_preemptions_total = 0
+        self.thrashed_admissions = 0
+        self.tokens_scheduled = 0
+        self.tokens_recomputed = 0
+
+    # -- the ledgers, as the auditor reads them -----------------------------------------------
+    @property
+    def free_slots(self) -> list[int]:
+        """The free slot ids, sorted (duplicates kept, so the auditor can see them)."""
+        return sorted(self._free_slots)
+
+    @property
+    def known_ids(self) -> frozenset[str]:
+        """Ids of every request waiting or running."""
+        return frozenset(self._requests)
+
+    @property
+    def pending_releases(self) -> tuple[int, ...]:
+        """Slots freed since the last schedule(); the worker empties them with the next step."""
+        return tuple(self._pending_releases)
+
+    @property
+    def admissible_blocks(self) -> int:
+        """The most blocks a request can be admitted holding while the reserve is kept."""
+        return self.allocator.num_blocks - self.watermark_blocks
+
+    def get(self, request_id: str) -> Request | None:
+        """The waiting or running request with this id, if any."""
+        return self._requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self._requests)
+
+    # -- arrivals and departures ----------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """Queue a request, or raise RequestRejected if it could never run to its end."""
+        if request_id in self._requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if n == 0 or params.max_tokens < 1:
+            raise RequestRejected(f"request {request_id!r} needs a prompt and max_tokens >= 1")
+        if n >= self.max_model_len:
+            raise RequestRejected(
+                f"request {request_id!r}: prompt of {n} tokens leaves no room in "
+                f"max_model_len {self.max_model_len}"
+            )
+        # Passing this door is a promise to run the request: alone in an empty pool it fits.
+        final_len = min(n + params.max_tokens, self.max_model_len)
+        need = self.allocator.blocks_for_length(final_len - 1)  # the last token is never cached
+        if need > self.allocator.num_blocks:
+            raise RequestRejected(
+                f"request {request_id!r} may need {need} blocks, the whole pool has "
+                f"{self.allocator.num_blocks}"
+            )
+        request = Request(request_id, list(prompt_token_ids), params, self._next_arrival)
+        self._next_arrival += 1
+        self._requests[request_id] = request
+        self.waiting.append(request)
+        return request
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a waiting, running or preempted request; everything it held returns."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+            self._give_back(request)
+        self._forget(request, RequestStatus.ABORTED, "abort")
+        return request
+
+    def finish(self, request: Request, reason: str) -> None:
+        """A running request is done: free its blocks and slot."""
+        self.running.remove(request)
+        self._give_back(request)
+        self._forget(request, RequestStatus.FINISHED, reason)
+
+    # -- one iteration ----------------------------------------------------------------------------
+    def schedule(self) -> Batch:
+        """Decide this iteration's work (see the module docstring for the phases)."""
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        # Phase 1: grow the running requests, preempting the newest when blocks run out.
+        budget = self._grow(chunks, preempted, self.token_budget)
+        # Phase 2: admit from the head of the waiting queue.
+        self._admit(chunks, budget)
+        released, self._pending_releases = self._pending_releases, []
+        return Batch(chunks, released, preempted)
+
+    def _grow(self, chunks: list[ScheduledChunk], preempted: list[Request], budget: int) -> int:
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted a moment ago to make room for an older request
+            n = min(request.num_tokens - request.num_computed, budget)
+            if self._reserve_blocks(request, request.num_computed + n, preempted):
+                chunks.append(self._chunk(request, n))
+                budget -= n
+        return budget
+
+    def _reserve_blocks(self, request: Request, length: int, preempted: list[Request]) -> bool:
+        """Give ``request`` blocks for ``length`` tokens; False if it was preempted instead."""
+        missing = self.allocator.blocks_for_length(length) - len(request.block_ids)
+        while missing > self.allocator.num_free:
+            victim = self.running[-1]  # the newest gives way; the oldest never does
+            if victim is self.running[0]:
+                raise RuntimeError(f"request {victim.request_id} cannot grow in an empty pool")
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        if missing > 0:
+            request.block_ids += self.allocator.allocate(missing)
+        return True
+
+    def _preempt(self, victim: Request) -> None:
+        """Preempt by recompute: blocks and slot back, tokens kept, head of the queue."""
+        if len(victim.block_ids) <= victim.admission_blocks:
+            self.thrashed_admissions += 1  # evicted before outgrowing what admission bought
+        self.running.remove(victim)
+        self._give_back(victim)
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(victim)
+
+    def preempt_all(self) -> None:
+        """The worker's rows are gone (it died, or refused a step): every running request goes
+        back to waiting with its tokens, oldest at the head. The new rows start empty, so no
+        release is pending any more."""
+        while self.running:
+            self._preempt(self.running[-1])
+        self._pending_releases.clear()
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        while self.waiting and self._free_slots and budget > 0:
+            request = self.waiting[0]
+            need = self.allocator.blocks_for_length(request.num_tokens)
+            # The watermark may delay a request, never exclude one (design note 001).
+            reserve = self.watermark_blocks if need <= self.admissible_blocks else 0
+            if need + reserve > self.allocator.num_free:
+                return
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.slot = heapq.heappop(self._free_slots)
+            request.block_ids = self.allocator.allocate(need)
+            request.admission_blocks = need
+            self.running.append(request)
+            n = min(request.num_tokens, budget)
+            chunks.append(self._chunk(request, n))
+            budget -= n
+
+    def _chunk(self, request: Request, n: int) -> ScheduledChunk:
+        start = request.num_computed
+        new_blocks = request.block_ids[request.blocks_sent :]
+        request.blocks_sent = len(request.block_ids)
+        self.tokens_scheduled += n
+        self.tokens_recomputed += max(0, min(start + n, request.high_water) - start)
+        return ScheduledChunk(request, start, n, start + n == request.num_tokens, new_blocks)
+
+    # -- results ----------------------------------------------------------------------------------
+    def on_computed(self, chunk: ScheduledChunk, token_id: int | None) -> str | None:
+        """Record a chunk's K/V and its sampled token; return a finish reason, or None."""
+        request = chunk.request
+        request.num_computed = chunk.start + chunk.num_tokens
+        request.high_water = max(request.high_water, request.num_computed)
+        if token_id is None:
+            return None
+        request.output_token_ids.append(token_id)
+        return self._stop_reason(request, token_id)
+
+    def _stop_reason(self, request: Request, token_id: int) -> str | None:
+        params = request.params
+        generated = len(request.output_token_ids)
+        if generated >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return "stop"
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                return "stop"
+        if generated >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _give_back(self, request: Request) -> None:
+        self.allocator.free_all(request.block_ids)
+        request.block_ids = []
+        request.blocks_sent = 0
+        request.num_computed = 0
+        if request.slot is not None:
+            heapq.heappush(self._free_slots, request.slot)
+            self._pending_releases.append(request.slot)
+            request.slot = None
+
+    def _forget(self, request: Request, status: RequestStatus, reason: str) -> None:
+        request.status = status
+        request.finish_reason = reason
+        del self._requests[request.request_id]

@@ -1,0 +1,120 @@
+"""SimWorker: a model-free worker that keeps cache rows exactly as the real worker does.
+
+It implements the scheduler/worker row contract (a slot is a cache row with a tenant, a block
+table and a K/V count) and simulates K/V by storing each position's token id in its block.
+A sampled token is a hash of the tokens read back through the row's block table, so it is a
+deterministic function of the request's text, but a wrong block table, a block shared by two
+rows or a block reused too early changes the output. Used by sweeps, benchmarks and tests.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from array import array
+from dataclasses import dataclass, field
+
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    RowSummary,
+    Sample,
+    SamplingParams,
+    StepInput,
+    StepItem,
+    StepResult,
+    WorkerReady,
+)
+
+
+@dataclass
+class _Row:
+    request_id: str | None = None
+    block_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    params: SamplingParams | None = None
+    prompt_len: int = 0
+
+
+class SimWorker:
+    """A deterministic stand-in for worker.worker.Worker, torch-free and instant."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        max_model_len: int = 4096,
+        vocab_size: int = 1000,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self._ready = WorkerReady(
+            protocol_version=PROTOCOL_VERSION,
+            model_id="sim",
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_slots=num_slots,
+            max_model_len=max_model_len,
+            eos_token_ids=list(eos_token_ids),
+            vocab_size=vocab_size,
+        )
+        self._kv = [array("q", [-1] * block_size) for _ in range(num_blocks)]
+        self._rows = [_Row() for _ in range(num_slots)]
+
+    def ready(self) -> WorkerReady:
+        """The cache geometry."""
+        return self._ready
+
+    def rows(self) -> list[RowSummary]:
+        """One summary per slot, empty rows included."""
+        return [
+            RowSummary(
+                slot=i,
+                request_id=r.request_id,
+                block_ids=list(r.block_ids),
+                num_cached=r.num_cached,
+            )
+            for i, r in enumerate(self._rows)
+        ]
+
+    def execute(self, step: StepInput) -> StepResult:
+        """Run one step under the row contract; ValueError on a protocol violation."""
+        began = time.perf_counter()
+        for slot in step.released_slots:
+            self._rows[slot] = _Row()
+        samples = []
+        for item in step.items:
+            token = self._run_item(item)
+            if token is not None:
+                samples.append(Sample(request_id=item.request_id, slot=item.slot, token_id=token))
+        rows = self.rows() if step.audit else None
+        return StepResult(
+            step_id=step.step_id, samples=samples, rows=rows, forward_s=time.perf_counter() - began
+        )
+
+    def _run_item(self, item: StepItem) -> int | None:
+        if not 0 <= item.slot < len(self._rows):
+            raise ValueError(f"slot {item.slot} out of range")
+        row = self._rows[item.slot]
+        if item.start == 0:
+            row = self._rows[item.slot] = _Row(item.request_id, [], 0, item.params, item.prompt_len)
+        elif item.start != row.num_cached or item.request_id != row.request_id:
+            raise ValueError(
+                f"slot {item.slot}: item for {item.request_id} at start {item.start}, but the row "
+                f"holds {row.request_id} with {row.num_cached} tokens cached"
+            )
+        row.block_ids += item.new_blocks
+        size = len(self._kv[0])
+        for offset, token in enumerate(item.token_ids):
+            pos = item.start + offset
+            if pos // size >= len(row.block_ids):
+                raise ValueError(f"slot {item.slot}: position {pos} is past the row's blocks")
+            self._kv[row.block_ids[pos // size]][pos % size] = token
+        row.num_cached += len(item.token_ids)
+        return self._next_token(row) if item.sample else None
+
+    def _next_token(self, row: _Row) -> int:
+        size = len(self._kv[0])
+        history = array(
+            "q", (self._kv[row.block_ids[p // size]][p % size] for p in range(row.num_cached))
+        )
+        return zlib.crc32(history.tobytes()) % self._ready.vocab_size

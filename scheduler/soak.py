@@ -1,0 +1,142 @@
+"""soak: many more requests than slots through a pool far too small, audited every iteration.
+
+Returns a SoakReport with what the pressure cost (evictions, recomputed K/V, thrash). The
+checks hold between iterations; an InvariantViolation is re-raised naming the iteration.
+LeakyAllocator is the fault to prove it: a free_all that drops one block id, once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, replace
+
+from protocol.messages import SamplingParams
+from scheduler.audit import InvariantViolation
+from scheduler.block_allocator import BlockAllocator
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine, WorkerLike
+from scheduler.errors import LivelockError
+
+
+class LeakyAllocator(BlockAllocator):
+    """A BlockAllocator whose ``leak_on``-th free_all silently drops its first block id."""
+
+    def __init__(self, num_blocks: int, block_size: int, leak_on: int) -> None:
+        if leak_on < 1:
+            raise ValueError(f"leak_on counts releases from 1, got {leak_on}")
+        super().__init__(num_blocks, block_size)
+        self.leak_on = leak_on
+        self.releases = 0
+        self.leaked: int | None = None
+
+    def free_all(self, block_ids: list[int]) -> None:
+        """Release as usual, except on the ``leak_on``-th call with any blocks in it."""
+        if block_ids:
+            self.releases += 1
+            if self.releases == self.leak_on:
+                self.leaked, block_ids = block_ids[0], block_ids[1:]
+        super().free_all(block_ids)
+
+
+@dataclass(frozen=True)
+class SoakReport:
+    """What one soak cost. ``recompute_share`` is the part of all computed K/V that had been
+    computed before (bought a second time after a preemption); ``thrashed_admissions`` counts
+    evictions of a request that had not outgrown the blocks its admission bought."""
+
+    iterations: int
+    evictions: int
+    evictions_per_request: dict[str, int]
+    max_preemptions: int
+    recompute_share: float
+    thrashed_admissions: int
+    outputs: list[list[int]]
+
+    @property
+    def text_digest(self) -> str:
+        """A short hash of every output token, to compare runs."""
+        return hashlib.sha256(repr(self.outputs).encode()).hexdigest()[:12]
+
+    def format(self) -> str:
+        """The report as aligned lines for a terminal."""
+        worst = max(self.evictions_per_request.values(), default=0)
+        evicted = sum(1 for n in self.evictions_per_request.values() if n)
+        return "\n".join(
+            [
+                f"iterations          {self.iterations}",
+                f"evictions           {self.evictions} "
+                f"({evicted} of {len(self.outputs)} requests evicted)",
+                f"max_preemptions     {self.max_preemptions} (worst request evicted {worst}x)",
+                f"recompute share     {self.recompute_share:.1%}",
+                f"thrashed admissions {self.thrashed_admissions}",
+                f"text digest         {self.text_digest}",
+                "every block back, every slot back, every row empty",
+            ]
+        )
+
+
+def make_prompts(
+    num_requests: int, prompt_len: int, vocab_size: int, seed: int = 0
+) -> list[list[int]]:
+    """Seeded random prompts (token ids below ``vocab_size``)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(prompt_len)] for _ in range(num_requests)]
+
+
+def soak(
+    worker: WorkerLike,
+    config: SchedulerConfig,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    allocator: BlockAllocator | None = None,
+) -> SoakReport:
+    """Drain ``prompts`` through the worker with the audit on between every iteration."""
+    engine = Engine.for_worker(worker, replace(config, audit=True), allocator=allocator)
+    ids = [f"soak-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    requests = {rid: engine.scheduler.get(rid) for rid in ids}
+    sched = engine.scheduler
+    iteration = 0
+    while engine.has_unfinished():
+        iteration += 1
+        before = (sched.num_preemptions_total, sched.tokens_scheduled)
+        try:
+            outputs = engine.step()
+        except InvariantViolation as exc:
+            raise InvariantViolation(f"at iteration {iteration}: {exc}") from exc
+        if not outputs and before == (sched.num_preemptions_total, sched.tokens_scheduled):
+            if engine.has_unfinished():
+                raise LivelockError(f"at iteration {iteration}: {engine.describe_stall()}")
+    _check_everything_back(engine, worker, iteration)
+    per_request = {rid: r.num_preemptions for rid, r in requests.items()}
+    return SoakReport(
+        iterations=iteration,
+        evictions=sched.num_preemptions_total,
+        evictions_per_request=per_request,
+        max_preemptions=max(per_request.values(), default=0),
+        recompute_share=sched.tokens_recomputed / max(1, sched.tokens_scheduled),
+        thrashed_admissions=sched.thrashed_admissions,
+        outputs=[list(r.output_token_ids) for r in requests.values()],
+    )
+
+
+def _check_everything_back(engine: Engine, worker: WorkerLike, iteration: int) -> None:
+    # One last (empty) step delivers the releases decided by the final apply.
+    step = engine.plan()
+    if step is not None:
+        engine.apply(worker.execute(step))
+    rows = worker.rows()
+    try:
+        engine.audit(rows)
+    except InvariantViolation as exc:
+        raise InvariantViolation(f"at the end (iteration {iteration}): {exc}") from exc
+    sched = engine.scheduler
+    if sched.allocator.num_free != sched.allocator.num_blocks:
+        raise InvariantViolation(
+            f"at the end: {sched.allocator.num_free} blocks free of {sched.allocator.num_blocks}"
+        )
+    busy = [r.slot for r in rows if r.request_id is not None or r.block_ids or r.num_cached]
+    if busy or len(sched.free_slots) != sched.num_slots:
+        raise InvariantViolation(f"at the end: slot {busy[:1] or sched.free_slots} is not empty")

@@ -1,0 +1,97 @@
+"""The console commands: sweep-watermark and bench scheduler (no model), soak and generate on
+a seeded tiny model through the real worker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nanoserve.cli import main
+from tests.tiny_model import make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", seed=0))
+
+
+def test_sweep_watermark_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sweep-watermark", "--reserves", "0,3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("reserve\tevictions")
+    assert lines[2].split("\t")[0] == "0 blocks" and lines[3].split("\t")[:2] == ["3 blocks", "0"]
+
+
+def test_sweep_watermark_bad_reserves_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sweep-watermark", "--reserves", "x"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_bench_scheduler_prints_both_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["bench", "scheduler", "--running", "32", "--audit-blocks", "4096", "--repeats", "3"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "schedule() with 32 running requests:" in out
+    assert "full audit of a 4096-block pool" in out
+
+
+def test_soak_with_a_leak_exits_non_zero_naming_the_block(
+    tiny: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["soak", "--model", tiny, "--inject-leak", "3"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("InvariantViolation at iteration ")
+    assert "is allocated but no request holds it" in err[0]
+
+
+def test_soak_without_a_leak_reports(tiny: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["soak", "--model", tiny, "--num-blocks", "5", "--requests", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "every block back" in out and "evictions" in out
+
+
+def test_generate_prints_one_line_per_prompt_in_order(
+    tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_token_ids": [3 + i, 4, 5]}) for i in range(3)))
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                tiny,
+                "--prompts-file",
+                str(prompts),
+                "--max-tokens",
+                "4",
+                "--num-blocks",
+                "6",
+                "--block-size",
+                "4",
+                "--num-slots",
+                "2",
+            ]
+        )
+        == 0
+    )
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert len(lines) == 3 and all(len(x["token_ids"]) <= 4 and "text" in x for x in lines)
+    assert (
+        main(["generate", "--model", tiny, "--prompts-file", str(prompts), "--max-tokens", "4"])
+        == 0
+    )
+    roomy = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["token_ids"] for x in roomy] == [x["token_ids"] for x in lines]
+
+
+def test_generate_rejects_a_bad_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"nothing": 1}\n')
+    assert main(["generate", "--prompts-file", str(prompts)]) == 2
+    assert "need one of prompt, messages, prompt_token_ids" in capsys.readouterr().err
