@@ -28,8 +28,14 @@ from protocol.messages import (
 log = logging.getLogger("nanoserve.worker")
 
 
-def run_worker(*, config, addresses: Addresses, heartbeat_s: float = 0.5) -> int:
-    """Serve steps until Shutdown or a signal. ``config`` is a worker.config.WorkerConfig."""
+def run_worker(
+    *, config, addresses: Addresses, heartbeat_s: float = 0.5, step_delay_s: float = 0.0
+) -> int:
+    """Serve steps until Shutdown or a signal. ``config`` is a worker.config.WorkerConfig.
+
+    ``step_delay_s`` slows every step down on purpose, for tests that show the scheduler keeps
+    taking requests while the worker computes.
+    """
     from worker.worker import Worker  # torch loads here, not at import time of this module
 
     worker = Worker(config)
@@ -62,6 +68,8 @@ def run_worker(*, config, addresses: Addresses, heartbeat_s: float = 0.5) -> int
                     continue
                 match message:
                     case StepInput():
+                        if step_delay_s:
+                            time.sleep(step_delay_s)
                         channel.send(_execute(worker, message))
                     case SchedulerHello():
                         worker.reset()

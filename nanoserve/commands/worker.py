@@ -34,6 +34,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=env("max_model_len", None, int))
     group.add_argument("--seed", type=int, default=env("seed", 0, int))
     group.add_argument("--threads", type=int, default=env("threads", None, int))
+    group.add_argument(
+        "--debug-step-delay",
+        type=float,
+        default=env("debug_step_delay", 0.0, float),
+        help="sleep this many seconds in every step (testing only)",
+    )
 
 
 def _bytes(text: str) -> int:
@@ -68,4 +74,8 @@ def run(args: argparse.Namespace) -> int:
     from worker.process import run_worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
-    return run_worker(config=worker_config(args), addresses=addresses_from(args))
+    return run_worker(
+        config=worker_config(args),
+        addresses=addresses_from(args),
+        step_delay_s=args.debug_step_delay,
+    )

@@ -1,0 +1,41 @@
+"""``nanoserve bench forward``: the worker's prefill tokens/s and decode step time."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``forward`` under ``nanoserve bench``."""
+    parser = subparsers.add_parser(
+        "forward", help="prefill tokens/s and decode step time of the model forward"
+    )
+    parser.add_argument("--model", default=None, help="model name or path (default model)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes")
+    parser.add_argument("--batch-sizes", default="1,8,32,64", help="comma-separated batch sizes")
+    parser.add_argument("--context", type=int, default=256, help="prompt tokens per request")
+    parser.add_argument("--decode-steps", type=int, default=4, help="decode steps to average")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark and print a Markdown table."""
+    from worker.bench import bench_forward, format_table
+
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        raise ValueError(f"--batch-sizes must be integers, got {args.batch_sizes!r}") from None
+    if args.context < 1 or args.decode_steps < 1 or min(batch_sizes) < 1:
+        raise ValueError("--context, --decode-steps and --batch-sizes must be positive")
+    rows = bench_forward(
+        model=args.model,
+        dtypes=[d.strip() for d in args.dtypes.split(",")],
+        batch_sizes=batch_sizes,
+        context=args.context,
+        decode_steps=args.decode_steps,
+        num_threads=args.threads,
+    )
+    print(format_table(rows, args.context))
+    return 0

@@ -1,0 +1,98 @@
+"""Fixtures for worker tests: a private cache dir, the tiny model, HF references."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/tiny_model.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # driver.py
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """Keep GGUF conversions of tests out of the user's cache, unless one is set already."""
+    import os
+
+    if "NANOSERVE_CACHE_DIR" not in os.environ:
+        os.environ["NANOSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("nanoserve-cache"))
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """One torch thread: on a shared CI box, OpenMP threads spinning against other jobs made
+    these tests six times slower. Numerics do not depend on it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_factory(tmp_path_factory):
+    """make(name, **overrides) -> directory of a seeded tiny Llama (cached per name)."""
+    from tiny_model import make_tiny_llama
+
+    made: dict[str, Path] = {}
+
+    def make(name: str = "base", **overrides) -> Path:
+        if name not in made:
+            made[name] = make_tiny_llama(tmp_path_factory.mktemp(f"tiny-{name}"), **overrides)
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_factory) -> Path:
+    return tiny_factory()
+
+
+def make_worker(model: Path | str | None, **overrides):
+    """A worker with a small cache (block_size 4, so requests span several blocks)."""
+    from worker.config import WorkerConfig
+    from worker.worker import Worker
+
+    settings = dict(block_size=4, num_blocks=256, num_slots=8, num_threads=None)
+    settings.update(overrides)
+    worker = Worker(WorkerConfig(model=None if model is None else str(model), **settings), False)
+    # Poison the pool: a read of a position that was never written turns the logits into NaN.
+    worker.cache.pool.fill_(float("nan"))
+    return worker
+
+
+def hf_model(directory: Path, dtype=None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype or torch.float32).eval()
+
+
+def hf_greedy(model, prompt: list[int], max_new: int, eos: list[int]) -> list[int]:
+    """transformers' own greedy generate, new tokens only."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def hf_logits(model, tokens: list[int]):
+    """(len(tokens), vocab) float32 logits of a full-sequence forward."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()

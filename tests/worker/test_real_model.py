@@ -1,0 +1,100 @@
+"""The worker on the real default model (SmolLM2-135M-Instruct GGUF) against transformers.
+
+float32: greedy tokens identical to transformers' generate, alone, batched, chunked and after
+recompute; logits within LOGIT_TOL of a full-sequence transformers forward.
+bfloat16: logits within BF16_TOL of our float32 logits, and the same greedy first token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy, hf_logits, make_worker
+from driver import Driver, greedy_requests
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "The history of the Roman Empire began",
+    "Once upon a time, in a small village by the sea,",
+    "人工智能是计算机科学的一个分支，",
+    "Москва — столица России, и",
+    "اللغة العربية هي",
+    "I love pizza 🍕 and tacos 🌮 because",
+    "SELECT name, age FROM users WHERE",
+    "The quick brown fox",
+    "Photosynthesis is the process by which plants",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "import numpy as np\nx = np.array([1, 2, 3])\nprint(",
+]
+MAX_NEW = 48
+LOGIT_TOL = 5e-4  # float32 (7e-5 seen); logits are O(10), only summation order differs
+BF16_TOL = 1.5  # bfloat16 vs float32 max |logit difference| on the prompts' last tokens (0.87 seen)
+
+
+@pytest.fixture(scope="session")
+def real_files():
+    from nanoserve.model_files import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def real_prompts(real_files):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_files.directory, gguf_file=real_files.gguf_file)
+    return [tok(p)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def real_reference(real_files, real_prompts):
+    """transformers' model (loaded once) and its greedy continuation of every prompt."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        real_files.directory, gguf_file=real_files.gguf_file, dtype=torch.float32
+    ).eval()
+    eos = [model.config.eos_token_id]
+    return model, [hf_greedy(model, p, MAX_NEW, eos) for p in real_prompts]
+
+
+@pytest.fixture(scope="session")
+def real_worker():
+    return make_worker(None, block_size=16, num_blocks=512, num_slots=16)
+
+
+@pytest.mark.parametrize("scenario", ["alone", "batched", "chunked", "recompute"])
+def test_real_greedy_matches_transformers(real_worker, real_reference, real_prompts, scenario):
+    model, expected = real_reference
+    assert sum(len(e) for e in expected) >= 0.75 * MAX_NEW * len(PROMPTS)
+    driver = Driver(real_worker)
+    if scenario == "alone":
+        requests = [driver.run(greedy_requests([p], MAX_NEW))[0] for p in real_prompts]
+    else:
+        chunk = 7 if scenario == "chunked" else None
+        recompute = 20 if scenario == "recompute" else None
+        requests = driver.run(greedy_requests(real_prompts, MAX_NEW), chunk, recompute)
+    for req, want in zip(requests, expected, strict=True):
+        assert req.output == want, f"{scenario}: prompt {req.request_id}"
+    if scenario == "batched":
+        worst = 0.0
+        for req in requests:
+            ref = hf_logits(model, req.known[:-1])[len(req.prompt) - 1 :]
+            worst = max(worst, (torch.stack(req.logits) - ref).abs().max().item())
+        print(f"float32 vs transformers max |logit diff| = {worst:.2e}")
+        assert worst < LOGIT_TOL
+
+
+def test_bfloat16_close_to_float32(real_worker, real_prompts):
+    bf16 = make_worker(None, block_size=16, num_blocks=512, num_slots=16, dtype="bfloat16")
+    logits = {}
+    for name, worker in (("f32", real_worker), ("bf16", bf16)):
+        requests = Driver(worker).run(greedy_requests(real_prompts, 1))
+        logits[name] = torch.stack([r.logits[0] for r in requests])
+    diff = (logits["f32"] - logits["bf16"]).abs().max().item()
+    print(f"bf16 vs f32 max |logit diff| = {diff:.3f}")
+    assert diff < BF16_TOL
+    agree = (logits["f32"].argmax(-1) == logits["bf16"].argmax(-1)).float().mean().item()
+    assert agree >= 0.9

@@ -1,0 +1,90 @@
+"""The row protocol: what a step does to rows, and the violations the worker refuses."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_worker
+
+from protocol.messages import SamplingParams, StepInput, StepItem
+
+P = SamplingParams(temperature=0.0)
+
+
+def item(slot=0, start=0, tokens=(1, 5, 6), blocks=(0,), rid="a", **kw) -> StepItem:
+    params = dict(params=P, prompt_len=len(tokens)) if start == 0 else {}
+    params.update(kw)
+    return StepItem(
+        request_id=rid,
+        slot=slot,
+        new_blocks=list(blocks),
+        token_ids=list(tokens),
+        start=start,
+        **params,
+    )
+
+
+def step(*items, released=(), audit=True, step_id=0) -> StepInput:
+    return StepInput(step_id=step_id, items=list(items), released_slots=list(released), audit=audit)
+
+
+@pytest.fixture
+def worker(tiny_dir):
+    return make_worker(tiny_dir, num_slots=3, num_blocks=8)
+
+
+def test_rows_follow_the_steps(worker):
+    result = worker.execute(step(item()))
+    assert len(result.samples) == 1 and len(result.rows) == 3
+    assert (result.rows[0].request_id, result.rows[0].block_ids, result.rows[0].num_cached) == (
+        "a",
+        [0],
+        3,
+    )
+    tok = result.samples[0].token_id
+    result = worker.execute(step(item(start=3, tokens=[tok], blocks=[4])))
+    assert (result.rows[0].block_ids, result.rows[0].num_cached) == ([0, 4], 4)
+    result = worker.execute(step(item(slot=1, rid="b", sample=False), released=[0]))
+    assert result.samples == []
+    assert result.rows[0].request_id is None and result.rows[0].block_ids == []
+    assert result.rows[1].num_cached == 3
+    assert worker.execute(step(audit=False)).rows is None
+
+
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (item(start=2, tokens=[3]), "does not continue"),
+        (item(start=3, tokens=[3], rid="other"), "does not continue"),
+        (item(slot=5), "out of range"),
+        (item(tokens=[1] * 9, blocks=[1, 2]), "exceed"),
+        (item(blocks=[99]), "out of range"),
+        (item(tokens=[999]), "out of range"),
+        (item(tokens=[]), "no token_ids"),
+        (item(params=None), "needs params"),
+    ],
+)
+def test_violations_raise_and_change_nothing(worker, bad, message):
+    worker.execute(step(item()))
+    before = worker.rows()
+    with pytest.raises(ValueError, match=message):
+        worker.execute(step(bad, released=[2]))
+    assert worker.rows() == before
+
+
+def test_released_row_cannot_be_continued(worker):
+    worker.execute(step(item()))
+    with pytest.raises(ValueError, match="slot 0"):
+        worker.execute(step(item(start=3, tokens=[4]), released=[0]))
+
+
+def test_same_slot_twice_is_refused(worker):
+    with pytest.raises(ValueError, match="twice"):
+        worker.execute(step(item(), item(rid="b", blocks=[1])))
+
+
+def test_reset_empties_every_row(worker):
+    worker.execute(step(item(), item(slot=2, rid="b", blocks=[1])))
+    worker.reset()
+    assert all((r.request_id, r.block_ids, r.num_cached) == (None, [], 0) for r in worker.rows())
+    with pytest.raises(ValueError, match="does not continue"):
+        worker.execute(step(item(start=3, tokens=[4])))

@@ -1,0 +1,58 @@
+"""``WorkerConfig``: everything the worker process needs to load a model and size its cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How to build a worker. ``None`` fields take a default worked out at load time.
+
+    ``model``: a model name or path for ``nanoserve.model_files.resolve_model`` (None: default).
+    ``num_blocks`` wins over ``kv_cache_memory`` (bytes); with neither, the budget comes from
+    free RAM (CPU) or free GPU memory. ``max_model_len`` defaults to the model's
+    ``max_position_embeddings``, capped at 8192. ``num_threads`` sets torch's intra-op threads.
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    num_slots: int = 128
+    max_model_len: int | None = None
+    seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        _positive("block_size", self.block_size)
+        _positive("num_slots", self.num_slots)
+        for name in ("num_blocks", "kv_cache_memory", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive(name, value)
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+    @property
+    def resolved_device(self) -> str:
+        """``cuda`` or ``cpu``: ``auto`` becomes ``cuda`` when torch sees a GPU."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,118 @@
+"""``RowTable``: the worker's cache rows, one per slot, and the row protocol's checks.
+
+See the contract in protocol/messages.py (``StepItem``): ``start == 0`` restarts a row, any
+other ``start`` must continue the same tenant exactly where its cache ends. A step is checked
+whole before any row changes, so a rejected step leaves every row as it was.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from protocol.messages import RowSummary, SamplingParams, StepInput, StepItem
+
+
+@dataclass
+class Row:
+    """One slot's cache row and the request state the sampler needs."""
+
+    request_id: str | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    params: SamplingParams | None = None
+    prompt_len: int = 0
+    history: list[int] = field(default_factory=list)  # every token fed into the row
+    seed: int = 0
+
+    @property
+    def output_tokens(self) -> list[int]:
+        """The generated tokens fed back so far (prompt excluded)."""
+        return self.history[self.prompt_len :]
+
+
+class RowTable:
+    """Per-slot rows; ``check`` raises ValueError naming the slot and numbers on a violation."""
+
+    def __init__(
+        self, *, num_slots: int, num_blocks: int, block_size: int, max_model_len: int, seed: int
+    ) -> None:
+        self.rows = [Row() for _ in range(num_slots)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self._seeds = random.Random(seed)  # seeds for requests that bring none
+
+    def check(self, step: StepInput, vocab_size: int) -> None:
+        """Raise ValueError if any item of ``step`` breaks the row protocol."""
+        released = set(step.released_slots)
+        for slot in released:
+            self._check_slot(slot)
+        seen: set[int] = set()
+        for item in step.items:
+            self._check_slot(item.slot)
+            if item.slot in seen:
+                raise ValueError(f"slot {item.slot} appears twice in step {step.step_id}")
+            seen.add(item.slot)
+            row = Row() if item.slot in released else self.rows[item.slot]
+            self._check_item(item, row, vocab_size)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < len(self.rows):
+            raise ValueError(f"slot {slot} out of range [0, {len(self.rows)})")
+
+    def _check_item(self, item: StepItem, row: Row, vocab_size: int) -> None:
+        where = f"slot {item.slot} ({item.request_id!r})"
+        if not item.token_ids:
+            raise ValueError(f"{where}: item has no token_ids")
+        if item.start == 0:
+            if item.params is None or item.prompt_len < 1:
+                raise ValueError(f"{where}: start 0 needs params and prompt_len >= 1")
+            blocks = len(item.new_blocks)
+        else:
+            if row.request_id != item.request_id or item.start != row.num_cached:
+                raise ValueError(
+                    f"{where}: start {item.start} does not continue the row "
+                    f"(tenant {row.request_id!r}, num_cached {row.num_cached})"
+                )
+            blocks = len(row.block_table) + len(item.new_blocks)
+        end = item.start + len(item.token_ids)
+        if end > blocks * self.block_size or end > self.max_model_len:
+            raise ValueError(
+                f"{where}: positions up to {end} exceed {blocks} blocks of {self.block_size} "
+                f"or max_model_len {self.max_model_len}"
+            )
+        bad = [b for b in item.new_blocks if not 0 <= b < self.num_blocks]
+        bad_tokens = [t for t in item.token_ids if not 0 <= t < vocab_size]
+        if bad or bad_tokens:
+            raise ValueError(f"{where}: block ids {bad} or token ids {bad_tokens} out of range")
+
+    def release(self, slots: list[int]) -> None:
+        """Empty these rows: no tenant, no blocks, nothing cached."""
+        for slot in slots:
+            self.rows[slot] = Row()
+
+    def apply(self, item: StepItem) -> Row:
+        """Update a checked item's row for the tokens about to be computed; return the row."""
+        row = self.rows[item.slot]
+        if item.start == 0:
+            params = item.params or SamplingParams()
+            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+            row = Row(item.request_id, [], 0, params, item.prompt_len, [], seed)
+            self.rows[item.slot] = row
+        row.block_table.extend(item.new_blocks)
+        row.num_cached += len(item.token_ids)
+        row.history.extend(item.token_ids)
+        return row
+
+    def summaries(self) -> list[RowSummary]:
+        """Every row (empty ones included), as the audit reports it."""
+        return [
+            RowSummary(
+                slot=slot,
+                request_id=row.request_id,
+                block_ids=list(row.block_table),
+                num_cached=row.num_cached,
+            )
+            for slot, row in enumerate(self.rows)
+        ]

@@ -1,0 +1,137 @@
+"""``Sampler``: turn each sampled row's logits into a token (plus logprobs when asked).
+
+Order per row: penalties, logit_bias and min_tokens on the raw logits; then greedy rows take the
+argmax, and the others divide by temperature and keep top_k, then top_p, then min_p (as
+transformers' warpers do) before one seeded draw. Logprobs come from the RAW logits.
+
+A seeded row draws from a generator seeded with (seed, output index), so its token depends on
+neither the rest of the batch nor on whether its cache was recomputed after a preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.rows import Row
+
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, index) over 64 bits
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One row's outcome: the token and, when asked, its logprob and the top alternatives."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class Sampler:
+    """Samples a batch of rows; knows the model's EOS ids for ``min_tokens``."""
+
+    def __init__(self, eos_token_ids: list[int]) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+
+    def sample(self, logits: torch.Tensor, rows: list[Row]) -> list[Draw]:
+        """logits: float32 (S, vocab), one line per row -> one Draw per row."""
+        logits = logits.float()
+        scores = logits.clone()
+        for i, row in enumerate(rows):
+            self._adjust(scores[i], row)
+        tokens = scores.argmax(dim=-1)  # (S,) greedy choice for every row
+        random_rows = [i for i, row in enumerate(rows) if row.params.temperature > 0]
+        if random_rows:
+            chosen = self._draw(scores[random_rows], [rows[i] for i in random_rows])
+            tokens[random_rows] = chosen.to(tokens.device)
+        return self._with_logprobs(logits, tokens.tolist(), rows)
+
+    def _adjust(self, scores: torch.Tensor, row: Row) -> None:
+        """Penalties, logit_bias and min_tokens, in place on one row's (vocab,) scores."""
+        params, outputs = row.params, row.output_tokens
+        vocab = scores.shape[0]
+        if params.repetition_penalty != 1.0 and row.history:
+            seen = torch.tensor(sorted(set(row.history)), device=scores.device)
+            values = scores[seen]
+            penalty = params.repetition_penalty
+            scores[seen] = torch.where(values < 0, values * penalty, values / penalty)
+        if (params.presence_penalty or params.frequency_penalty) and outputs:
+            counts = torch.bincount(torch.tensor(outputs), minlength=vocab).to(scores)
+            scores -= params.frequency_penalty * counts
+            scores -= params.presence_penalty * (counts > 0).to(scores)
+        for token, bias in (params.logit_bias or {}).items():
+            if 0 <= token < vocab:
+                scores[token] += bias
+        if len(outputs) < params.min_tokens:
+            banned = [t for t in self.eos_token_ids + params.stop_token_ids if 0 <= t < vocab]
+            scores[banned] = float("-inf")
+
+    def _draw(self, scores: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """Temperature, top_k, top_p, min_p, then one inverse-CDF draw per row -> (R,)."""
+        temps = torch.tensor([r.params.temperature for r in rows], device=scores.device)
+        probs, order = filtered_probs(
+            scores / temps[:, None],
+            top_k=[r.params.top_k for r in rows],
+            top_p=[r.params.top_p for r in rows],
+            min_p=[r.params.min_p for r in rows],
+        )
+        cdf = probs.double().cumsum(dim=-1)  # (R, vocab), sorted best first
+        uniforms = torch.tensor([_uniform(r) for r in rows], dtype=torch.float64)
+        targets = (uniforms.to(cdf.device) * cdf[:, -1])[:, None]  # (R, 1)
+        index = torch.searchsorted(cdf, targets, right=True)  # (R, 1)
+        kept = (probs > 0).sum(dim=-1, keepdim=True)
+        index = torch.minimum(index, kept - 1)
+        return order.gather(1, index).squeeze(1)
+
+    def _with_logprobs(self, logits, tokens: list[int], rows: list[Row]) -> list[Draw]:
+        wants = [row.params.logprobs for row in rows]
+        if all(n is None for n in wants):
+            return [Draw(token) for token in tokens]
+        logprobs = torch.log_softmax(logits, dim=-1)  # (S, vocab) from the raw logits
+        draws = []
+        for i, (token, n) in enumerate(zip(tokens, wants, strict=True)):
+            if n is None:
+                draws.append(Draw(token))
+                continue
+            top = None
+            if n > 0:
+                values, ids = logprobs[i].topk(min(n, 20))
+                top = list(zip(ids.tolist(), values.tolist(), strict=True))
+            draws.append(Draw(token, float(logprobs[i, token]), top))
+        return draws
+
+
+def filtered_probs(
+    scores: torch.Tensor, *, top_k: list, top_p: list, min_p: list
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities after top_k, top_p and min_p, sorted best first, with the sort order.
+
+    scores: (R, vocab) already divided by temperature. Returns probs (R, vocab), zero where
+    filtered out and renormalized, and order (R, vocab) mapping sorted position -> token id.
+    Every filter keeps a prefix of the sorted list, and always the best token.
+    """
+    rows, vocab = scores.shape
+    device = scores.device
+    ordered, order = scores.sort(dim=-1, descending=True)  # (R, vocab)
+    rank = torch.arange(vocab, device=device)[None, :]  # (1, vocab)
+    k = torch.tensor([vocab if v is None else min(v, vocab) for v in top_k], device=device)
+    ordered = ordered.masked_fill(rank >= k[:, None], float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
+    # top_p keeps a token while the mass strictly before it is below p (transformers' rule).
+    # top_p >= 1 is "off": cumsum rounding must not trim the tail.
+    p = torch.tensor([v if v < 1 else float("inf") for v in top_p], device=device)[:, None]
+    before = probs.cumsum(dim=-1) - probs
+    ordered = ordered.masked_fill(before >= p, float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
+    floor = torch.tensor(min_p, device=device, dtype=probs.dtype)[:, None] * probs[:, :1]
+    ordered = ordered.masked_fill(probs < floor, float("-inf"))
+    return torch.softmax(ordered, dim=-1), order
+
+
+def _uniform(row: Row) -> float:
+    """A uniform in [0, 1) fixed by the row's seed and the index of the token being drawn."""
+    index = len(row.output_tokens)
+    generator = torch.Generator().manual_seed((row.seed * _MIX + index) & _MASK64)
+    return float(torch.rand((), generator=generator, dtype=torch.float64))

@@ -1,0 +1,186 @@
+"""``Worker``: owns the model and the KV cache, and runs one ``StepInput`` at a time.
+
+The row contract (what each ``StepItem`` means for a slot's cache row) lives in ``worker.rows``;
+this class only turns a checked step into one flattened forward and one sampling call.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    RowSummary,
+    Sample,
+    StepInput,
+    StepResult,
+    WorkerReady,
+)
+from worker.attention import AttentionMetadata
+from worker.config import WorkerConfig
+from worker.kv_cache import KVCache
+from worker.model import LlamaModel, ModelSpec
+from worker.rows import RowTable
+from worker.sampler import Sampler
+
+_MAX_DEFAULT_LEN = 8192
+_CPU_BUDGET_CAP = 4 << 30
+
+
+class Worker:
+    """Loads the model and sizes the cache from a ``WorkerConfig``; then ``execute`` steps."""
+
+    def __init__(self, config: WorkerConfig, progress: bool = True) -> None:
+        from nanoserve.model_files import resolve_model
+        from worker.loader import load_checkpoint
+
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.device = config.resolved_device
+        self.dtype = getattr(torch, config.dtype)
+        self.files = resolve_model(config.model)
+        checkpoint = load_checkpoint(self.files, self.dtype, progress=progress)
+        self.spec = ModelSpec.from_config(checkpoint.config)
+        self.eos_token_ids = checkpoint.eos_token_ids
+        self.max_model_len = _max_model_len(config, checkpoint.config)
+        with torch.device("meta"):
+            self.model = LlamaModel(self.spec)
+        self.model.load_weights(checkpoint.weights)
+        self.model = self.model.to(self.device).eval()
+        self.cache = self._make_cache()
+        self.row_table = RowTable(
+            num_slots=config.num_slots,
+            num_blocks=self.cache.num_blocks,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            seed=config.seed,
+        )
+        self.sampler = Sampler(self.eos_token_ids)
+
+    def _make_cache(self) -> KVCache:
+        spec, config = self.spec, self.config
+        geometry = dict(
+            num_layers=spec.num_layers,
+            block_size=config.block_size,
+            n_kv_heads=spec.n_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=self.dtype,
+        )
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            budget = config.kv_cache_memory or _default_budget(self.device)
+            per_block = KVCache.bytes_per_block(**geometry)
+            num_blocks = KVCache.blocks_for_budget(
+                budget, per_block, self.max_model_len, config.block_size
+            )
+        return KVCache(num_blocks=num_blocks, device=self.device, **geometry)
+
+    def ready(self) -> WorkerReady:
+        """The announcement of this worker's cache geometry."""
+        return WorkerReady(
+            protocol_version=PROTOCOL_VERSION,
+            model_id=self.files.model_id,
+            num_blocks=self.cache.num_blocks,
+            block_size=self.config.block_size,
+            num_slots=self.config.num_slots,
+            max_model_len=self.max_model_len,
+            eos_token_ids=list(self.eos_token_ids),
+            vocab_size=self.spec.vocab_size,
+            device=self.device,
+            dtype=self.config.dtype,
+        )
+
+    def execute(self, step: StepInput) -> StepResult:
+        """Run one step: release rows, compute every item, sample where asked."""
+        return self.execute_with_logits(step)[0]
+
+    def execute_with_logits(self, step: StepInput) -> tuple[StepResult, torch.Tensor]:
+        """``execute``, also returning the float32 logits (S, vocab) of the sampled items."""
+        began = time.perf_counter()
+        self.row_table.check(step, self.spec.vocab_size)
+        self.row_table.release(step.released_slots)
+        rows = [self.row_table.apply(item) for item in step.items]
+        self.cache.zero_blocks([b for item in step.items for b in item.new_blocks])
+        logits = self._forward(step, rows)
+        sampled = [(item, row) for item, row in zip(step.items, rows, strict=True) if item.sample]
+        draws = self.sampler.sample(logits, [row for _, row in sampled]) if sampled else []
+        samples = [
+            Sample(
+                request_id=item.request_id,
+                slot=item.slot,
+                token_id=draw.token_id,
+                logprob=draw.logprob,
+                top_logprobs=draw.top_logprobs,
+            )
+            for (item, _), draw in zip(sampled, draws, strict=True)
+        ]
+        result = StepResult(
+            step_id=step.step_id,
+            samples=samples,
+            rows=self.rows() if step.audit else None,
+            forward_s=time.perf_counter() - began,
+        )
+        return result, logits
+
+    def _forward(self, step: StepInput, rows) -> torch.Tensor:
+        """One flattened forward over every item -> logits (S, vocab) of the sampled items."""
+        if not step.items:
+            return torch.zeros(0, self.spec.vocab_size)
+        ids, positions, last, spans = [], [], [], []
+        for item, row in zip(step.items, rows, strict=True):
+            ids.extend(item.token_ids)
+            positions.extend(range(item.start, item.start + len(item.token_ids)))
+            if item.sample:
+                last.append(len(ids) - 1)
+            spans.append((row.block_table, item.start, len(item.token_ids)))
+        meta = AttentionMetadata.build(spans, self.config.block_size, self.device)
+        with torch.inference_mode():
+            ids_t = torch.tensor(ids, device=self.device)
+            pos_t = torch.tensor(positions, device=self.device)
+            hidden = self.model(ids_t, pos_t, meta, self.cache)  # (T, hidden)
+            return self.model.logits(hidden[last]).cpu()  # (S, vocab)
+
+    def reset(self) -> None:
+        """Empty every row (a new scheduler knows nothing of them, or a step was refused)."""
+        self.row_table.release(list(range(len(self.row_table.rows))))
+
+    def rows(self) -> list[RowSummary]:
+        """Every slot's row as it stands now."""
+        return self.row_table.summaries()
+
+
+def _max_model_len(config: WorkerConfig, model_config) -> int:
+    limit = getattr(model_config, "max_position_embeddings", None) or _MAX_DEFAULT_LEN
+    if config.max_model_len is None:
+        return min(limit, _MAX_DEFAULT_LEN)
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} positions"
+        )
+    return config.max_model_len
+
+
+def _default_budget(device: str) -> int:
+    """CUDA: 80% of free GPU memory (weights already loaded). CPU: a quarter of available RAM,
+    at most 4 GiB."""
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return int(free * 0.8)
+    available = _available_ram()
+    return min(available // 4, _CPU_BUDGET_CAP)
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
