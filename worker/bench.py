@@ -1,12 +1,15 @@
 """``nanoserve bench forward``: prefill throughput and decode step time of the worker alone.
 
 For each dtype and batch size B: one step prefills B requests of ``context`` tokens (tokens/s),
-then ``decode_steps`` steps decode one token for each of the B rows (mean seconds per step).
+then ``decode_steps`` steps decode one token for each of the B rows (median seconds per step,
+after one warm-up step). With ``profile``, torch.profiler records the decode steps and
+``worker.bench_profile`` sums their operators into a per-step breakdown.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -23,6 +26,7 @@ class BenchRow:
     batch: int
     prefill_tokens_per_s: float
     decode_step_s: float
+    breakdown: dict[str, float] | None = None  # category -> ms per decode step
 
 
 def bench_forward(
@@ -33,13 +37,14 @@ def bench_forward(
     context: int,
     decode_steps: int = 4,
     num_threads: int | None = None,
+    profile: bool = False,
 ) -> list[BenchRow]:
     """Run the benchmark; returns one BenchRow per (dtype, batch size)."""
     from worker.config import WorkerConfig
     from worker.worker import Worker
 
     largest, block_size = max(batch_sizes), 16
-    blocks_per_row = -(-(context + decode_steps + 1) // block_size)
+    blocks_per_row = -(-(context + 2 * decode_steps + 2) // block_size)
     rows = []
     for dtype in dtypes:
         config = WorkerConfig(
@@ -49,16 +54,18 @@ def bench_forward(
             num_slots=largest,
             block_size=block_size,
             num_threads=num_threads,
-            max_model_len=max(context + decode_steps + 1, block_size),
+            max_model_len=max(context + 2 * decode_steps + 2, block_size),
         )
         worker = Worker(config, progress=False)
         vocab = worker.spec.vocab_size
         for batch in batch_sizes:
-            rows.append(_one(worker, dtype, batch, context, decode_steps, blocks_per_row, vocab))
+            rows.append(
+                _one(worker, dtype, batch, context, decode_steps, blocks_per_row, vocab, profile)
+            )
     return rows
 
 
-def _one(worker, dtype, batch, context, decode_steps, blocks_per_row, vocab) -> BenchRow:
+def _one(worker, dtype, batch, context, decode_steps, blocks_per_row, vocab, profile) -> BenchRow:
     rng = random.Random(batch)
     items = [
         StepItem(
@@ -75,25 +82,90 @@ def _one(worker, dtype, batch, context, decode_steps, blocks_per_row, vocab) -> 
     began = time.perf_counter()
     result = worker.execute(StepInput(step_id=0, items=items))
     prefill_s = time.perf_counter() - began
-    tokens = {s.request_id: s.token_id for s in result.samples}
-    decode_s = 0.0
-    for step in range(decode_steps):
-        decodes = [
+    decoder = _Decoder(worker, batch, context, result)
+    decoder.step()  # warm-up: first-touch of scratch buffers
+    times = [decoder.step() for _ in range(decode_steps)]
+    breakdown = None
+    if profile:
+        breakdown = profile_steps(decoder.step, decode_steps)
+    released = StepInput(step_id=decoder.step_id + 1, items=[], released_slots=list(range(batch)))
+    worker.execute(released)
+    return BenchRow(dtype, batch, batch * context / prefill_s, statistics.median(times), breakdown)
+
+
+class _Decoder:
+    """Feeds each row its last sampled token, one decode step per call."""
+
+    def __init__(self, worker, batch: int, context: int, result) -> None:
+        self.worker, self.batch, self.position, self.step_id = worker, batch, context, 0
+        self.tokens = {s.request_id: s.token_id for s in result.samples}
+
+    def step(self) -> float:
+        """Run one decode step for every row; returns its wall time in seconds."""
+        items = [
             StepItem(
                 request_id=f"b{i}",
                 slot=i,
                 new_blocks=[],
-                token_ids=[tokens[f"b{i}"]],
-                start=context + step,
+                token_ids=[self.tokens[f"b{i}"]],
+                start=self.position,
             )
-            for i in range(batch)
+            for i in range(self.batch)
         ]
+        self.step_id += 1
         began = time.perf_counter()
-        result = worker.execute(StepInput(step_id=step + 1, items=decodes))
-        decode_s += time.perf_counter() - began
-        tokens = {s.request_id: s.token_id for s in result.samples}
-    worker.execute(StepInput(step_id=decode_steps + 1, items=[], released_slots=list(range(batch))))
-    return BenchRow(dtype, batch, batch * context / prefill_s, decode_s / decode_steps)
+        result = self.worker.execute(StepInput(step_id=self.step_id, items=items))
+        elapsed = time.perf_counter() - began
+        self.tokens = {s.request_id: s.token_id for s in result.samples}
+        self.position += 1
+        return elapsed
+
+
+# Operator name fragments -> the breakdown's categories, first match wins.
+CATEGORIES = (
+    ("linear (weights)", ("linear_pointwise", "aten::mm", "aten::addmm")),
+    ("attention: gather K/V", ("index_select",)),
+    ("attention: matmuls + softmax", ("bmm", "softmax", "scaled_dot_product")),
+    ("cache write", ("index_copy",)),
+    ("sampling (argmax)", ("argmax", "topk", "sort")),
+    ("norms", ("rms_norm",)),
+    ("dtype copies", ("copy_", "_to_copy")),
+)
+
+
+def profile_steps(step, steps: int) -> dict[str, float]:
+    """Run ``step`` under torch.profiler; returns ms per step by category: operators' self CPU
+    time, plus "python + dispatch" for the wall time no operator accounts for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    began = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    wall_ms = (time.perf_counter() - began) * 1000 / steps
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        name = next(
+            (label for label, keys in CATEGORIES if any(k in event.key for k in keys)),
+            "other operators",
+        )
+        totals[name] = totals.get(name, 0.0) + event.self_cpu_time_total / 1000 / steps
+    totals["python + dispatch"] = max(0.0, wall_ms - sum(totals.values()))
+    return totals
+
+
+def format_breakdown(rows: list[BenchRow]) -> str:
+    """A Markdown table: one column per profiled (dtype, batch), ms per decode step."""
+    profiled = [row for row in rows if row.breakdown]
+    if not profiled:
+        return ""
+    names = [label for label, _ in CATEGORIES] + ["other operators", "python + dispatch"]
+    head = "| ms per decode step | " + " | ".join(f"{r.dtype} b{r.batch}" for r in profiled)
+    lines = [head + " |", "|---|" + "---:|" * len(profiled)]
+    for name in names:
+        cells = " | ".join(f"{r.breakdown.get(name, 0.0):.1f}" for r in profiled)
+        lines.append(f"| {name} | {cells} |")
+    return "\n".join(lines)
 
 
 def format_table(rows: list[BenchRow], context: int) -> str:

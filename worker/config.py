@@ -15,7 +15,9 @@ class WorkerConfig:
     ``model``: a model name or path for ``nanoserve.model_files.resolve_model`` (None: default).
     ``num_blocks`` wins over ``kv_cache_memory`` (bytes); with neither, the budget comes from
     free RAM (CPU) or free GPU memory. ``max_model_len`` defaults to the model's
-    ``max_position_embeddings``, capped at 8192. ``num_threads`` sets torch's intra-op threads.
+    ``max_position_embeddings``, capped at 8192. ``num_threads`` sets torch's intra-op threads;
+    None keeps torch's default, one per physical core, which measured best even beside the
+    frontend and scheduler processes (they sleep while the worker computes).
     """
 
     model: str | None = None

@@ -1,8 +1,13 @@
 """``KVCache``: the paged K/V pool, one tensor holding every layer's blocks.
 
 Block ``b`` holds positions ``[0, block_size)`` of whatever row's block table names it. Each
-layer's K (or V) is seen flat, as ``(num_blocks * block_size, n_kv_heads, head_dim)``, so a
-token's home is one index: ``block * block_size + offset``.
+layer's K (or V) is head-major and seen flat, as ``(n_kv_heads, num_blocks * block_size,
+head_dim)``, so a token's home is one index, ``block * block_size + offset``, and gathering a
+row's blocks gives each KV head's keys as one contiguous (L, head_dim) matrix, ready for a
+batched matmul without a transposing copy.
+
+``scratch`` hands out reusable buffers for those gathers: a fresh multi-megabyte tensor per
+layer would be a fresh mmap, and its page faults cost more than the copy itself.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import torch
 
 
 class KVCache:
-    """The K/V pool: (num_layers, 2, num_blocks, block_size, n_kv_heads, head_dim)."""
+    """The K/V pool: (num_layers, 2, n_kv_heads, num_blocks, block_size, head_dim)."""
 
     def __init__(
         self,
@@ -27,23 +32,36 @@ class KVCache:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_layers, 2, num_blocks, block_size, n_kv_heads, head_dim)
+        shape = (num_layers, 2, n_kv_heads, num_blocks, block_size, head_dim)
         # empty, not zeros: pages are touched only when used, so a large pool costs nothing up
         # front. Blocks are zeroed as rows receive them (zero_blocks).
         self.pool = torch.empty(shape, dtype=dtype, device=device)
-        flat = (num_layers, 2, num_blocks * block_size, n_kv_heads, head_dim)
+        flat = (num_layers, 2, n_kv_heads, num_blocks * block_size, head_dim)
         self._flat = self.pool.view(flat)
+        self._scratch: dict[str, torch.Tensor] = {}
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """Zero blocks as they join a row. The pool starts uninitialized; a padded read of a
         block's unwritten tail must see finite numbers, which a zero attention weight cancels."""
         if blocks:
             index = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)
-            self.pool.index_fill_(2, index, 0.0)
+            self.pool.index_fill_(3, index, 0.0)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer, each (num_blocks * block_size, n_kv_heads, head_dim)."""
+        """K and V of one layer, each (n_kv_heads, num_blocks * block_size, head_dim)."""
         return self._flat[index, 0], self._flat[index, 1]
+
+    def scratch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A reusable buffer of ``shape`` in the pool's dtype; contents are garbage. The same
+        name returns the same memory (grown when too small) until the next call."""
+        numel = 1
+        for size in shape:
+            numel *= size
+        buffer = self._scratch.get(name)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=self.pool.dtype, device=self.pool.device)
+            self._scratch[name] = buffer
+        return buffer[:numel].view(shape)
 
     @staticmethod
     def bytes_per_block(

@@ -64,7 +64,8 @@ class ModelSpec:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 like transformers."""
+    """x / rms(x) * weight in one fused op. In float32 it equals transformers' formula bit for
+    bit; in bfloat16 it rounds once at the end, where transformers rounds before the weight."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -72,50 +73,100 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that can trade its weight for oneDNN's pre-packed layout (``pack``): on
+    CPU in bfloat16 that runs 1.3-2x faster than ``F.linear`` at decode batch sizes."""
+
+    packed: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        """A layer around existing tensors (no initialization of fresh ones)."""
+        with torch.device("meta"):
+            layer = cls(weight.shape[1], weight.shape[0], bias=bias is not None)
+        layer.weight = _frozen(weight)
+        layer.bias = None if bias is None else _frozen(bias)
+        return layer
+
+    def pack(self) -> None:
+        """Keep only the packed weight; the batch size hint (32) barely matters."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 32)
+        self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with rotary embeddings over the paged cache."""
+    """Grouped-query attention with rotary embeddings over the paged cache.
+
+    Loads as transformers' q/k/v_proj, then ``fuse`` concatenates them into one (q|k|v)
+    matrix: one matmul instead of three, and one rotary call for q and k together.
+    """
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         d, hd = spec.hidden_size, spec.head_dim
         self.n_heads, self.n_kv, self.head_dim = spec.n_heads, spec.n_kv_heads, hd
-        self.q_proj = nn.Linear(d, spec.n_heads * hd, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(d, spec.n_kv_heads * hd, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(d, spec.n_kv_heads * hd, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(spec.n_heads * hd, d, bias=spec.o_bias)
+        self.q_proj = Linear(d, spec.n_heads * hd, bias=spec.qkv_bias)
+        self.k_proj = Linear(d, spec.n_kv_heads * hd, bias=spec.qkv_bias)
+        self.v_proj = Linear(d, spec.n_kv_heads * hd, bias=spec.qkv_bias)
+        self.o_proj = Linear(spec.n_heads * hd, d, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(hd, spec.rms_norm_eps)
             self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor], meta):
-        tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.n_heads, self.head_dim)  # (T, n_heads, hd)
-        k = self.k_proj(x).view(tokens, self.n_kv, self.head_dim)  # (T, n_kv, hd)
-        v = self.v_proj(x).view(tokens, self.n_kv, self.head_dim)  # (T, n_kv, hd)
+    def fuse(self) -> None:
+        """Replace q/k/v_proj by one (q|k|v) weight (and bias)."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+        self.qkv_proj = Linear.of(torch.cat([p.weight for p in parts]), bias)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor], meta, scratch):
+        tokens, nq, nkv = x.shape[0], self.n_heads, self.n_kv
+        qkv = self.qkv_proj(x)  # (T, (nq + 2 * nkv) * hd)
+        qkv = qkv.view(tokens, nq + 2 * nkv, self.head_dim)
+        v = qkv[:, nq + nkv :]  # (T, nkv, hd)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = paged_attention(q, k, v, cache[0], cache[1], meta)  # (T, n_heads, hd)
-        return self.o_proj(out.reshape(tokens, self.n_heads * self.head_dim))
+            qk = torch.cat((self.q_norm(qkv[:, :nq]), self.k_norm(qkv[:, nq : nq + nkv])), 1)
+        else:
+            qk = qkv[:, : nq + nkv]
+        qk = apply_rotary(qk, cos, sin)  # (T, nq + nkv, hd)
+        q, k = qk[:, :nq], qk[:, nq:]
+        out = paged_attention(q, k, v, cache[0], cache[1], meta, scratch)  # (T, nq, hd)
+        return self.o_proj(out.reshape(tokens, nq * self.head_dim))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); ``fuse`` makes gate and up one matmul."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         d, h, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
-        self.gate_proj = nn.Linear(d, h, bias=bias)
-        self.up_proj = nn.Linear(d, h, bias=bias)
-        self.down_proj = nn.Linear(h, d, bias=bias)
+        self.gate_proj = Linear(d, h, bias=bias)
+        self.up_proj = Linear(d, h, bias=bias)
+        self.down_proj = Linear(h, d, bias=bias)
+
+    def fuse(self) -> None:
+        """Replace gate_proj and up_proj by one (gate|up) weight (and bias)."""
+        gate, up = self.gate_proj, self.up_proj
+        bias = None if gate.bias is None else torch.cat((gate.bias, up.bias))
+        self.gate_up_proj = Linear.of(torch.cat((gate.weight, up.weight)), bias)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, intermediate) each
+        return self.down_proj(F.silu(gate) * up)  # (T, hidden)
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
 
 
 class DecoderLayer(nn.Module):
@@ -128,8 +179,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, cos, sin, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+    def forward(self, x, cos, sin, cache, meta, scratch):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, scratch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -150,7 +201,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = LlamaBody(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.register_buffer(
             "inv_freq", inverse_frequencies(spec.rope, spec.head_dim), persistent=False
         )
@@ -163,6 +214,9 @@ class LlamaModel(nn.Module):
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
         weights.pop("model.rotary_emb.inv_freq", None)
         self.load_state_dict(weights, strict=True, assign=True)
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
         if self.spec.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # Built here, not trusted from __init__: the model may have been made on the meta device.
@@ -179,10 +233,23 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions (T,) -> hidden states (T, hidden), K/V written into ``cache``."""
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)  # (T, hd) each
+        cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)  # (T, 1, hd) each
         for index, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache.layer(index), meta)
+            x = layer(x, cos, sin, cache.layer(index), meta, cache.scratch)
         return self.model.norm(x)
+
+    def pack_for_cpu(self) -> bool:
+        """Pre-pack every linear weight for oneDNN where that pays (CPU, bfloat16, oneDNN
+        present); returns whether it did. Call after the model reached its device."""
+        weight = self.model.embed_tokens.weight
+        if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
+            return False
+        if not torch.backends.mkldnn.is_available():
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        return True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, hidden) -> float32 (S, vocab)."""

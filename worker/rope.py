@@ -56,14 +56,20 @@ def _llama3(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
 def rotary_cos_sin(
     inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each (T, head_dim), for positions (T,)."""
+    """cos and signed sin, each (T, 1, head_dim), for positions (T,). The first half of the
+    sin is negated, so ``apply_rotary`` can rotate with one roll instead of neg + cat."""
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, head_dim / 2)
     angles = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    sin = angles.sin().to(dtype)
+    half = sin.shape[-1] // 2
+    sin[:, :half] = -sin[:, :half]
+    return angles.cos().to(dtype)[:, None, :], sin[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (T, heads, head_dim) by the angles of its token's position."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """Rotate x (T, heads, head_dim) by the angles of its token's position.
+
+    transformers' ``x * cos + cat(-x2, x1) * sin`` with the sign moved into ``sin``: negation
+    is exact, so the result is the same bit for bit.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

@@ -38,15 +38,28 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[Row]) -> list[Draw]:
         """logits: float32 (S, vocab), one line per row -> one Draw per row."""
         logits = logits.float()
-        scores = logits.clone()
-        for i, row in enumerate(rows):
-            self._adjust(scores[i], row)
-        tokens = scores.argmax(dim=-1)  # (S,) greedy choice for every row
+        adjusted = [i for i, row in enumerate(rows) if self._needs_adjusting(row)]
+        scores = logits.clone() if adjusted else logits  # plain greedy rows need no copy
+        for i in adjusted:
+            self._adjust(scores[i], rows[i])
+        tokens = scores.argmax(dim=-1)  # (S,) greedy choice for every row, in one call
         random_rows = [i for i, row in enumerate(rows) if row.params.temperature > 0]
         if random_rows:
             chosen = self._draw(scores[random_rows], [rows[i] for i in random_rows])
             tokens[random_rows] = chosen.to(tokens.device)
         return self._with_logprobs(logits, tokens.tolist(), rows)
+
+    @staticmethod
+    def _needs_adjusting(row: Row) -> bool:
+        """Whether ``_adjust`` would change anything for this row."""
+        params = row.params
+        return bool(
+            params.repetition_penalty != 1.0
+            or params.presence_penalty
+            or params.frequency_penalty
+            or params.logit_bias
+            or params.min_tokens > 0
+        )
 
     def _adjust(self, scores: torch.Tensor, row: Row) -> None:
         """Penalties, logit_bias and min_tokens, in place on one row's (vocab,) scores."""

@@ -50,6 +50,7 @@ class Worker:
             self.model = LlamaModel(self.spec)
         self.model.load_weights(checkpoint.weights)
         self.model = self.model.to(self.device).eval()
+        self.model.pack_for_cpu()
         self.cache = self._make_cache()
         self.row_table = RowTable(
             num_slots=config.num_slots,
@@ -136,7 +137,13 @@ class Worker:
             if item.sample:
                 last.append(len(ids) - 1)
             spans.append((row.block_table, item.start, len(item.token_ids)))
-        meta = AttentionMetadata.build(spans, self.config.block_size, self.device)
+        meta = AttentionMetadata.build(
+            spans,
+            block_size=self.config.block_size,
+            n_kv_heads=self.spec.n_kv_heads,
+            dtype=self.dtype,
+            device=self.device,
+        )
         with torch.inference_mode():
             ids_t = torch.tensor(ids, device=self.device)
             pos_t = torch.tensor(positions, device=self.device)

@@ -16,12 +16,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--decode-steps", type=int, default=4, help="decode steps to average")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument(
+        "--profile", action="store_true", help="also print where each decode step's time goes"
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print a Markdown table."""
-    from worker.bench import bench_forward, format_table
+    from worker.bench import bench_forward, format_breakdown, format_table
 
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -36,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
         context=args.context,
         decode_steps=args.decode_steps,
         num_threads=args.threads,
+        profile=args.profile,
     )
     print(format_table(rows, args.context))
+    if args.profile:
+        print()
+        print(format_breakdown(rows))
     return 0

@@ -1,0 +1,68 @@
+"""The CPU fast path's pieces against the plain formulas they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.kv_cache import KVCache
+from worker.model import Linear, RMSNorm
+from worker.rope import apply_rotary, rotary_cos_sin
+
+
+def test_rotary_is_bitwise_transformers_rotate_half():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 4, 64, generator=gen)  # (T, heads, hd)
+    positions = torch.arange(100, 107)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    rotated = torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
+    want = x * cos + rotated * sin
+    got = apply_rotary(x, *rotary_cos_sin(inv_freq, positions, torch.float32))
+    assert torch.equal(got, want)
+
+
+def test_rms_norm_is_bitwise_transformers_in_float32():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 576, generator=gen) * 3
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.rand(576, generator=gen) + 0.5
+    want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.equal(norm(x), want)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_matches_f_linear(dtype):
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(96, 64, generator=gen).to(dtype)
+    bias = torch.randn(96, generator=gen).to(dtype)
+    layer = Linear.of(weight.clone(), bias.clone())
+    x = torch.randn(5, 64, generator=gen).to(dtype)
+    want = F.linear(x, weight, bias).float()
+    layer.pack()
+    assert layer.weight is None and layer.packed is not None
+    got = layer(x).float()
+    tol = 1e-5 if dtype == torch.float32 else 0.1
+    assert (got - want).abs().max().item() < tol
+
+
+def test_scratch_reuses_memory_and_grows():
+    cache = KVCache(
+        num_layers=1,
+        num_blocks=2,
+        block_size=4,
+        n_kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    a = cache.scratch("k", (3, 4))
+    b = cache.scratch("k", (2, 5))
+    assert a.data_ptr() == b.data_ptr() and b.shape == (2, 5)
+    c = cache.scratch("k", (10, 10))
+    assert c.shape == (10, 10) and c.numel() == 100
+    assert cache.scratch("v", (1,)).data_ptr() != c.data_ptr()
