@@ -29,7 +29,7 @@ class Channel(Generic[T]):
 
     def __init__(self, socket: zmq.Socket, inbox: Any) -> None:
         self.socket = socket
-        self.is_router = socket.socket_type == zmq.ROUTER
+        self.is_router = socket.type == zmq.ROUTER
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(inbox)
 

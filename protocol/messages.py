@@ -222,6 +222,9 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     num_steps_total: int = 0
     worker_ready: bool = False
     worker_busy_s_total: float = 0.0
+    step_in_flight: bool = False
+    messages_during_step_total: int = 0
+    scheduler_busy_s_total: float = 0.0
 
 
 class Outputs(Message):

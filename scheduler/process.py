@@ -55,6 +55,7 @@ class _Worker:
 class _Counters:
     bad_messages: int = 0
     steps: int = 0
+    messages_during_step: int = 0  # frontend messages taken in while the worker computed
     scheduler_s: float = 0.0  # time spent planning and applying, not waiting on the worker
     frontends: dict[bytes, float] = field(default_factory=dict)
 
@@ -134,7 +135,10 @@ class SchedulerProcess:
     # -- frontends ---------------------------------------------------------------------------
 
     def _on_frontend(self, peer: bytes, message) -> None:
+        known = peer in self.counters.frontends
         self.counters.frontends[peer] = time.monotonic()
+        if self.worker is not None and self.worker.in_flight is not None:
+            self.counters.messages_during_step += 1
         match message:
             case AddRequest():
                 self._add(peer, message)
@@ -143,7 +147,8 @@ class SchedulerProcess:
             case FrontendHello():
                 self._hello(peer, message)
             case Heartbeat():
-                pass
+                if not known:  # a frontend from before our restart: tell it who we are
+                    self.frontends.send(self._info(), peer)
 
     def _hello(self, peer: bytes, hello: FrontendHello) -> None:
         if hello.protocol_version != PROTOCOL_VERSION:
@@ -279,6 +284,9 @@ class SchedulerProcess:
             num_steps_total=self.counters.steps,
             worker_ready=self.worker is not None,
             worker_busy_s_total=self.worker.busy_s if self.worker else 0.0,
+            step_in_flight=self.worker is not None and self.worker.in_flight is not None,
+            messages_during_step_total=self.counters.messages_during_step,
+            scheduler_busy_s_total=self.counters.scheduler_s,
         )
 
 

@@ -1,0 +1,135 @@
+"""create_app: the aiohttp application of the API process.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. Every error is OpenAI's ``{"error": {...}}`` body. The scheduler connection lives
+in ``cleanup_ctx``, so it opens with the app and closes with it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from frontend.client import SchedulerClient
+from frontend.config import FrontendConfig
+from frontend.errors import ApiError
+from frontend.handlers import GenerationHandler
+from frontend.metrics import Metrics
+from frontend.request_parser import RequestParser
+from frontend.tokenizer import ChatTokenizer, load_tokenizer
+from nanoserve.model_files import resolve_model
+
+log = logging.getLogger(__name__)
+
+CONFIG = web.AppKey("config", FrontendConfig)
+CLIENT = web.AppKey("client", SchedulerClient)
+METRICS = web.AppKey("metrics", Metrics)
+HANDLER = web.AppKey("handler", GenerationHandler)
+MODEL_NAME = web.AppKey("model_name", str)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(
+    config: FrontendConfig,
+    client: SchedulerClient | None = None,
+    tokenizer: ChatTokenizer | None = None,
+) -> web.Application:
+    """Build the app. ``client`` and ``tokenizer`` may be given (tests share them)."""
+    files = resolve_model(config.model)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(resolve_model(config.tokenizer or config.model))
+    model_name = config.served_model_name or files.model_id
+    metrics = client.metrics if client is not None else Metrics()
+    client = client or SchedulerClient(config, metrics)
+    parser = RequestParser(config, tokenizer, model_name)
+    handler = GenerationHandler(config, client, tokenizer, metrics, parser)
+
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[_error_middleware, _auth_middleware],
+    )
+    app[CONFIG] = config
+    app[CLIENT] = client
+    app[METRICS] = metrics
+    app[HANDLER] = handler
+    app[MODEL_NAME] = model_name
+    app.cleanup_ctx.append(_scheduler_connection)
+    app.router.add_post("/v1/completions", handler.completions)
+    app.router.add_post("/v1/chat/completions", handler.chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+async def _scheduler_connection(app: web.Application) -> AsyncIterator[None]:
+    await app[CLIENT].start()
+    yield
+    await app[CLIENT].close()
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        if exc.status != 503:  # 503s are counted where they are raised
+            request.app[METRICS].rejected.labels(str(exc.status)).inc()
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return ApiError(exc.status, exc.reason, headers=headers).response()
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    key = request.app[CONFIG].api_key
+    if key is not None and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "")
+        expected = f"Bearer {key}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
+    return await handler(request)
+
+
+async def _models(request: web.Request) -> web.Response:
+    name = request.app[MODEL_NAME]
+    client = request.app[CLIENT]
+    info = client.info
+    entry = {"id": name, "object": "model", "created": 0, "owned_by": "nanoserve"}
+    if info is not None and info.max_model_len:
+        entry["max_model_len"] = info.max_model_len
+    return web.json_response({"object": "list", "data": [entry]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    reason = health_problem(request.app)
+    if reason is None:
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+
+
+def health_problem(app: web.Application) -> str | None:
+    """Why the server is unhealthy, or None: a worker must be ready and steps must advance."""
+    if app[HANDLER].draining:
+        return "the server is shutting down"
+    client = app[CLIENT]
+    reason = client.unavailable_reason()
+    if reason is not None:
+        return reason
+    stalled_for = time.monotonic() - (client.last_progress or time.monotonic())
+    if client.stats.num_running > 0 and stalled_for > app[CONFIG].stall_timeout:
+        return f"no step has finished for {stalled_for:.1f} s while requests run"
+    return None
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})

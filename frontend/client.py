@@ -1,0 +1,294 @@
+"""SchedulerClient: the frontend's one DEALER connection to the scheduler.
+
+A background listener routes each RequestOutput to the queue of the HTTP request that owns it,
+so every request coroutine is woken with its own tokens only. The client says hello on every
+(re)connection and every heartbeat period while it has not heard from the scheduler, so a
+restarted scheduler learns about it. When the scheduler disconnects or stays silent longer than
+``scheduler_timeout``, every in-flight request gets ``SchedulerLost`` and new ones get 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from frontend.config import FrontendConfig
+from frontend.metrics import Metrics
+from frontend.request_parser import Geometry
+from protocol.channel import BadMessage, Channel
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AddRequest,
+    EngineStats,
+    FrontendHello,
+    Heartbeat,
+    Outputs,
+    RequestOutput,
+    SamplingParams,
+    SchedulerInfo,
+    SchedulerToFrontend,
+)
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerLost(Exception):
+    """The scheduler went away while a request was in flight."""
+
+
+Delivery = tuple[int, RequestOutput] | SchedulerLost
+"""What a request's queue carries: ``(choice index, output)``, or the news that all is lost."""
+
+
+class SchedulerClient:
+    """Sends adds and aborts, routes outputs, and tracks the scheduler's liveness."""
+
+    def __init__(self, config: FrontendConfig, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.frontend_id = f"frontend-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.info: SchedulerInfo | None = None
+        self.stats = EngineStats()
+        self.last_heard: float | None = None  # monotonic time of the scheduler's last message
+        self.last_progress: float | None = None  # when steps last advanced (or nothing ran)
+        self._connected = False
+        self._routes: dict[str, tuple[int, asyncio.Queue[Delivery]]] = {}
+        self._context: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._channel: Channel[SchedulerToFrontend] | None = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ready = asyncio.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect and start the listener, monitor and heartbeat tasks."""
+        self._context = zmq.asyncio.Context()
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        # Queue nothing for a scheduler that is not connected: a stale AddRequest must never
+        # reach a restarted scheduler after its HTTP request has already failed.
+        socket.setsockopt(zmq.IMMEDIATE, 1)
+        socket.setsockopt(zmq.SNDHWM, 100_000)
+        socket.setsockopt(zmq.RCVHWM, 100_000)
+        monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        socket.connect(self.config.addresses.frontend)
+        self._socket = socket
+        self._channel = Channel(socket, SchedulerToFrontend)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._listen(), name="scheduler-listener"),
+            loop.create_task(self._watch(monitor), name="scheduler-monitor"),
+            loop.create_task(self._heartbeat(), name="scheduler-heartbeat"),
+        ]
+
+    async def close(self) -> None:
+        """Stop the tasks and close the socket."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._context is not None:
+            # destroy() closes every socket of the context (the monitor pair included) with
+            # linger 0, so closing can never block on undelivered messages.
+            self._context.destroy(linger=0)
+            self._context = None
+        self._socket = None
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        """True while connected and heard from within ``scheduler_timeout``."""
+        heard = self.last_heard
+        timeout = self.config.scheduler_timeout
+        return self._connected and heard is not None and time.monotonic() - heard <= timeout
+
+    def unavailable_reason(self) -> str | None:
+        """Why requests cannot be served now, or None when they can."""
+        if not self.alive:
+            return "the scheduler is not connected"
+        if self.info is None:
+            return "waiting for the scheduler's SchedulerInfo"
+        if self.info.protocol_version != PROTOCOL_VERSION:
+            return f"scheduler speaks protocol {self.info.protocol_version}, not {PROTOCOL_VERSION}"
+        if not self.info.worker_ready:
+            return "no worker is ready"
+        return None
+
+    def geometry(self) -> Geometry | None:
+        """The worker's context length and pool size, or None while requests cannot be served."""
+        if self.unavailable_reason() is not None or self.info is None:
+            return None
+        info = self.info
+        return Geometry(info.model_id, info.max_model_len, info.num_blocks, info.block_size)
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Wait until a worker is ready (TimeoutError after ``timeout`` seconds)."""
+        await asyncio.wait_for(self._ready.wait(), timeout)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Scheduler requests this frontend is waiting on."""
+        return len(self._routes)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add(
+        self,
+        request_id: str,
+        index: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        queue: asyncio.Queue[Delivery],
+    ) -> None:
+        """Send one scheduler request; its outputs arrive on ``queue`` as ``(index, output)``."""
+        if not self.alive:
+            raise SchedulerLost("the scheduler is not connected")
+        message = AddRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            arrival_time=time.time(),
+        )
+        self._routes[request_id] = (index, queue)
+        if not self._send_now(message):
+            self._routes.pop(request_id, None)
+            raise SchedulerLost("could not send the request to the scheduler")
+
+    def abort(self, request_id: str) -> None:
+        """Forget a request and tell the scheduler to drop it (harmless if it already ended)."""
+        if self._routes.pop(request_id, None) is not None:
+            self._send_now(Abort(request_id=request_id))
+
+    def _send_now(self, message: msgspec.Struct) -> bool:
+        """Send without waiting: False (message dropped) when no scheduler can take it now.
+
+        Channel.send has no flags, so this frames the DEALER message itself: with DONTWAIT,
+        zmq.asyncio resolves the send at once and never leaves one pending, and (unlike a
+        send on a shadow socket) it keeps the socket's edge-triggered read wake-ups intact.
+        """
+        if self._socket is None:
+            return False
+        frames = [self._encoder.encode(message)]
+        future = self._socket.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
+        if not future.done():  # cannot happen with DONTWAIT; never leave it dangling
+            future.cancel()
+            return False
+        return future.exception() is None
+
+    # -- background tasks --------------------------------------------------------------------
+
+    async def _listen(self) -> None:
+        channel = self._channel
+        if channel is None:
+            raise RuntimeError("SchedulerClient.start() was not called")
+        while True:
+            try:
+                _, message = await channel.arecv()
+            except BadMessage as exc:
+                self.metrics.bad_messages.inc()
+                log.warning("dropped a bad frame from the scheduler: %s", exc)
+                continue
+            self.last_heard = time.monotonic()
+            self._connected = True  # a message can only come over a live connection
+            match message:
+                case Outputs():
+                    self._on_outputs(message)
+                case SchedulerInfo():
+                    self._on_info(message)
+                case Heartbeat():
+                    pass
+            self._update_ready()
+
+    def _update_ready(self) -> None:
+        if self.geometry() is not None:
+            self._ready.set()
+        else:
+            self._ready.clear()
+
+    def _on_outputs(self, message: Outputs) -> None:
+        for output in message.outputs:
+            route = self._routes.get(output.request_id)
+            if route is None:
+                continue  # aborted or failed here already
+            if output.finish_reason is not None:
+                del self._routes[output.request_id]
+            route[1].put_nowait((route[0], output))
+        if message.stats is not None:
+            self._on_stats(message.stats)
+
+    def _on_stats(self, stats: EngineStats) -> None:
+        if stats.num_steps_total != self.stats.num_steps_total or stats.num_running == 0:
+            self.last_progress = time.monotonic()
+        self.stats = stats
+        self.metrics.observe_stats(stats)
+
+    def _on_info(self, info: SchedulerInfo) -> None:
+        if info.protocol_version != PROTOCOL_VERSION:
+            log.error(
+                "scheduler protocol %d != frontend protocol %d: refusing it",
+                info.protocol_version,
+                PROTOCOL_VERSION,
+            )
+        elif self.info is None or self.info.worker_ready != info.worker_ready:
+            log.info("scheduler: worker %s", "ready" if info.worker_ready else "not ready")
+        self.info = info
+        self.last_progress = time.monotonic()
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_CONNECTED:
+                    self._connected = True
+                    await self._greet()
+                elif event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._lose("the scheduler disconnected")
+        finally:
+            monitor.close(linger=0)
+
+    async def _greet(self) -> None:
+        """Say hello until answered, briefly: the first tries may beat the ZMTP handshake
+        (IMMEDIATE drops them); the heartbeat loop keeps trying after that."""
+        for _ in range(50):
+            if self.last_heard is not None or self._send_now(self._hello()):
+                return
+            await asyncio.sleep(0.01)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval)
+            now = time.monotonic()
+            self._send_now(Heartbeat(sender=self.frontend_id, time=time.time()))
+            quiet_for = now - self.last_heard if self.last_heard is not None else None
+            if quiet_for is None or quiet_for > self.config.heartbeat_interval * 1.5:
+                self._send_now(self._hello())  # a restarted scheduler learns about us
+            if self.info is not None and not self.alive:
+                self._lose("the scheduler stopped answering")
+
+    def _hello(self) -> FrontendHello:
+        return FrontendHello(protocol_version=PROTOCOL_VERSION, frontend_id=self.frontend_id)
+
+    def _lose(self, reason: str) -> None:
+        """Fail every in-flight request and forget the scheduler's state."""
+        if self.info is not None or self._routes:
+            log.error("%s: failing %d in-flight requests", reason, len(self._routes))
+        if reason == "the scheduler disconnected":
+            self._connected = False
+        self.info = None
+        self.last_heard = None
+        self._ready.clear()
+        routes, self._routes = self._routes, {}
+        for _, queue in routes.values():
+            queue.put_nowait(SchedulerLost(reason))

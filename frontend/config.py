@@ -1,0 +1,75 @@
+"""FrontendConfig: everything the API process needs, validated once at start."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from protocol.addresses import Addresses, default_addresses
+
+
+def _default_addresses() -> Addresses:
+    return default_addresses(os.environ.get("NANOSERVE_RUN_ID", "default"))
+
+
+def _default_api_key() -> str | None:
+    return os.environ.get("NANOSERVE_API_KEY") or None
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """Options of one frontend process.
+
+    ``model`` names the model for the tokenizer (None: the default model); ``tokenizer`` loads
+    the tokenizer from elsewhere (a model without one, such as a test checkpoint).
+    ``served_model_name`` is the name clients put in ``model`` (default: the model's id).
+    ``scheduler_timeout``: silence after which in-flight requests fail and new ones get 503.
+    ``stall_timeout``: /health turns 503 when requests run but no step finishes for this long.
+    ``default_max_tokens`` caps ``max_tokens`` when a request leaves it out (None: fill up to
+    the context length, as vLLM does).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    addresses: Addresses = field(default_factory=_default_addresses)
+    api_key: str | None = field(default_factory=_default_api_key)
+    max_body_bytes: int = 1 << 20
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_logprobs: int = 20
+    max_n: int = 16
+    default_max_tokens: int | None = None
+    drain_timeout: float = 30.0
+    heartbeat_interval: float = 0.5
+    scheduler_timeout: float = 2.0
+    stall_timeout: float = 30.0
+    retry_after_s: int = 1
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        positive = ("max_body_bytes", "max_stop_string_chars", "max_n")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_stop_strings < 0:
+            raise ValueError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
+        if not 0 <= self.max_logprobs <= 20:
+            raise ValueError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        for name in ("drain_timeout", "heartbeat_interval", "scheduler_timeout", "stall_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.scheduler_timeout <= self.heartbeat_interval:
+            raise ValueError("scheduler_timeout must be longer than heartbeat_interval")
+        if self.retry_after_s < 1:
+            raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset to disable the check)")

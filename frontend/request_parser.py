@@ -1,0 +1,263 @@
+"""RequestParser: an OpenAI request body -> prompt token ids + SamplingParams, or ApiError."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from frontend.config import FrontendConfig
+from frontend.errors import ApiError
+from frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from frontend.tokenizer import ChatTokenizer
+from protocol.messages import SamplingParams
+
+_ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
+_SEED_LIMIT = 1 << 63
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the scheduler said about its worker: context length and KV pool size in tokens."""
+
+    model_id: str
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+
+    @property
+    def pool_tokens(self) -> int:
+        """How many tokens the whole KV pool can hold."""
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request: what to send to the scheduler and how to answer."""
+
+    chat: bool
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    stop: tuple[str, ...]
+    logprobs: int | None
+
+    def params_for(self, index: int) -> SamplingParams:
+        """The params of choice ``index``: seeded requests get seed + index, so choices differ."""
+        if self.params.seed is None or index == 0:
+            return self.params
+        return msgspec.structs.replace(self.params, seed=self.params.seed + index)
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+class RequestParser:
+    """Validates bodies against the config, the tokenizer's vocab and the scheduler geometry."""
+
+    def __init__(self, config: FrontendConfig, tokenizer: ChatTokenizer, model_name: str) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self._completion = msgspec.json.Decoder(CompletionRequest)
+        self._chat = msgspec.json.Decoder(ChatCompletionRequest)
+
+    def parse(self, body: bytes, *, chat: bool, geometry: Geometry) -> GenerationRequest:
+        """Decode and validate one body; raise ApiError (400 or 404) on anything wrong."""
+        request = self._decode(body, chat)
+        if request.model is not None and request.model != self.model_name:
+            raise ApiError(404, f"model {request.model!r} does not exist", param="model")
+        if chat:
+            prompt_ids = self._chat_prompt(request)
+            logprobs = self._chat_logprobs(request)
+            max_tokens = request.max_completion_tokens or request.max_tokens
+        else:
+            prompt_ids = self._completion_prompt(request)
+            logprobs = self._completion_logprobs(request)
+            max_tokens = request.max_tokens
+        self._check_prompt(prompt_ids, geometry)
+        max_tokens = self._max_tokens(max_tokens, len(prompt_ids), geometry)
+        params = self._sampling_params(request, max_tokens, logprobs)
+        stop = self._stop_strings(request.stop)
+        options = request.stream_options
+        return GenerationRequest(
+            chat=chat,
+            model=self.model_name,
+            prompt_ids=prompt_ids,
+            params=params,
+            n=request.n,
+            stream=request.stream,
+            include_usage=bool(request.stream and options and options.include_usage),
+            stop=stop,
+            logprobs=logprobs,
+        )
+
+    def _decode(self, body: bytes, chat: bool) -> Any:
+        try:
+            return (self._chat if chat else self._completion).decode(body)
+        except msgspec.ValidationError as exc:
+            text = str(exc)
+            param = text.rsplit("`$.", 1)[1].rstrip("`") if "`$." in text else None
+            raise _bad(f"invalid request: {text}", param) from None
+        except msgspec.DecodeError as exc:
+            raise _bad(f"invalid JSON body: {exc}") from None
+
+    def _completion_prompt(self, request: CompletionRequest) -> list[int]:
+        prompt = request.prompt
+        if request.echo:
+            raise _bad("echo is not supported", "echo")
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch of one: one text or one list of ids
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not all(isinstance(token, int) for token in prompt):
+            raise _bad("prompt must be a string, a list of one string, or token ids", "prompt")
+        self._check_token_ids(prompt, "prompt")
+        return list(prompt)
+
+    def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        if not request.messages:
+            raise _bad("messages must not be empty", "messages")
+        messages = []
+        for message in request.messages:
+            if message.role not in _ROLES:
+                raise _bad(f"unknown message role {message.role!r}", "messages")
+            messages.append({"role": message.role, "content": self._content(message.content)})
+        try:
+            return self.tokenizer.apply_chat_template(messages)
+        except Exception as exc:  # a template error is the request's fault (e.g. bad roles)
+            raise _bad(f"chat template failed: {exc}", "messages") from None
+
+    @staticmethod
+    def _content(content: Any) -> str:
+        if content is None or isinstance(content, str):
+            return content or ""
+        parts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise _bad(f"unsupported content part type {part.type!r}", "messages")
+            parts.append(part.text)
+        return "".join(parts)
+
+    def _completion_logprobs(self, request: CompletionRequest) -> int | None:
+        if request.logprobs is not None:
+            self._check_top_logprobs(request.logprobs, "logprobs")
+        return request.logprobs
+
+    def _chat_logprobs(self, request: ChatCompletionRequest) -> int | None:
+        if request.top_logprobs is not None:
+            if not request.logprobs:
+                raise _bad("top_logprobs needs logprobs to be true", "top_logprobs")
+            self._check_top_logprobs(request.top_logprobs, "top_logprobs")
+        return (request.top_logprobs or 0) if request.logprobs else None
+
+    def _check_top_logprobs(self, value: int, param: str) -> None:
+        if not 0 <= value <= self.config.max_logprobs:
+            raise _bad(f"{param} must be in [0, {self.config.max_logprobs}], got {value}", param)
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        for token in ids:
+            if not 0 <= token < vocab:
+                raise _bad(f"token id {token} is outside the vocabulary [0, {vocab})", param)
+
+    def _check_prompt(self, prompt_ids: list[int], geometry: Geometry) -> None:
+        length = len(prompt_ids)
+        if length == 0:
+            raise _bad("prompt must not be empty", "prompt")
+        if length >= geometry.max_model_len:
+            raise _bad(
+                f"prompt has {length} tokens; the maximum context length is "
+                f"{geometry.max_model_len}, which leaves no room to generate",
+                "prompt",
+            )
+        if length >= geometry.pool_tokens:
+            raise _bad(
+                f"prompt has {length} tokens; the whole KV cache holds {geometry.pool_tokens}",
+                "prompt",
+            )
+
+    def _max_tokens(self, requested: int | None, prompt_len: int, geometry: Geometry) -> int:
+        # Like vLLM, a missing max_tokens fills the context (bounded here by the KV pool too,
+        # because a request that outgrows the pool could never finish).
+        room = min(geometry.max_model_len, geometry.pool_tokens) - prompt_len
+        if requested is None:
+            cap = self.config.default_max_tokens
+            return room if cap is None else min(room, cap)
+        if requested < 1:
+            raise _bad(f"max_tokens must be at least 1, got {requested}", "max_tokens")
+        if requested > room:
+            raise _bad(
+                f"prompt ({prompt_len} tokens) + max_tokens ({requested}) exceeds the limit "
+                f"of {prompt_len + room} tokens (context length and KV cache)",
+                "max_tokens",
+            )
+        return requested
+
+    def _sampling_params(
+        self, request: SamplingFields, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        temperature = pick(request.temperature, 1.0)
+        top_p = pick(request.top_p, 1.0)
+        top_k = request.top_k if request.top_k not in (None, 0, -1) else None
+        min_p = pick(request.min_p, 0.0)
+        checks = [
+            (temperature >= 0, "temperature", f"temperature must be >= 0, got {temperature}"),
+            (0 < top_p <= 1, "top_p", f"top_p must be in (0, 1], got {top_p}"),
+            (top_k is None or top_k >= 1, "top_k", f"top_k must be >= 1 or -1, got {top_k}"),
+            (0 <= min_p <= 1, "min_p", f"min_p must be in [0, 1], got {min_p}"),
+            (1 <= request.n <= self.config.max_n, "n", f"n must be in [1, {self.config.max_n}]"),
+            (0 <= request.min_tokens <= max_tokens, "min_tokens", "min_tokens > max_tokens"),
+        ]
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = pick(getattr(request, name), 0.0)
+            checks.append((-2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value}"))
+        repetition = pick(request.repetition_penalty, 1.0)
+        checks.append((repetition > 0, "repetition_penalty", "repetition_penalty must be > 0"))
+        seed = request.seed
+        seed_ok = seed is None or -_SEED_LIMIT <= seed < _SEED_LIMIT - request.n
+        checks.append((seed_ok, "seed", "seed must fit in a signed 64-bit integer"))
+        for ok, param, message in checks:
+            if not ok:
+                raise _bad(message, param)
+        self._check_token_ids(request.stop_token_ids or [], "stop_token_ids")
+        bias = request.logit_bias
+        if bias:
+            self._check_token_ids(list(bias), "logit_bias")
+            if any(not -100 <= value <= 100 for value in bias.values()):
+                raise _bad("logit_bias values must be in [-100, 100]", "logit_bias")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            top_k=top_k,
+            min_p=float(min_p),
+            repetition_penalty=float(repetition),
+            presence_penalty=float(pick(request.presence_penalty, 0.0)),
+            frequency_penalty=float(pick(request.frequency_penalty, 0.0)),
+            logit_bias={int(k): float(v) for k, v in bias.items()} if bias else None,
+            seed=seed,
+            logprobs=logprobs,
+            stop_token_ids=list(request.stop_token_ids or []),
+            ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens,
+        )
+
+    def _stop_strings(self, stop: str | list[str] | None) -> tuple[str, ...]:
+        strings = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(strings) > self.config.max_stop_strings:
+            limit = self.config.max_stop_strings
+            raise _bad(f"at most {limit} stop strings, got {len(strings)}", "stop")
+        for text in strings:
+            if not 0 < len(text) <= self.config.max_stop_string_chars:
+                limit = self.config.max_stop_string_chars
+                raise _bad(f"each stop string must have 1 to {limit} characters", "stop")
+        return tuple(strings)

@@ -1,0 +1,80 @@
+"""``nanoserve frontend``: run the OpenAI-compatible API process."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+_ENV = "NANOSERVE_"
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(_ENV + name, default)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``frontend`` and its flags (NANOSERVE_* environment variables set defaults)."""
+    p = subparsers.add_parser("frontend", help="run the HTTP API process")
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="bind address [%(default)s]")
+    p.add_argument("--port", type=int, default=int(_env("PORT", "8000")), help="[%(default)s]")
+    p.add_argument("--model", default=_env("MODEL"), help="model name or path (default model)")
+    p.add_argument("--tokenizer", default=_env("TOKENIZER"), help="tokenizer model (--model)")
+    p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"))
+    p.add_argument("--run-id", default=_env("RUN_ID", "default"), help="socket name suffix")
+    p.add_argument("--transport", choices=["ipc", "tcp"], default=_env("TRANSPORT", "ipc"))
+    p.add_argument(
+        "--base-port",
+        type=int,
+        default=int(_env("BASE_PORT", "5610")),
+        help="first of the scheduler's two tcp ports (tcp transport only)",
+    )
+    p.add_argument(
+        "--frontend-address",
+        default=_env("FRONTEND_ADDRESS"),
+        help="scheduler's frontend endpoint (overrides --run-id/--transport)",
+    )
+    p.add_argument("--api-key", default=_env("API_KEY"), help="require Bearer on /v1/*")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-stop-strings", type=int, default=16)
+    p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--max-n", type=int, default=16)
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="cap for requests without max_tokens (default: fill the context)",
+    )
+    p.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT", "30")))
+    p.add_argument("--scheduler-timeout", type=float, default=2.0)
+    p.add_argument("--stall-timeout", type=float, default=30.0)
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from frontend.config import FrontendConfig
+    from frontend.process import run_frontend
+    from protocol.addresses import Addresses, default_addresses
+
+    addresses = default_addresses(args.run_id, args.transport, args.base_port)
+    if args.frontend_address:
+        addresses = Addresses(frontend=args.frontend_address, worker=addresses.worker)
+    config = FrontendConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        tokenizer=args.tokenizer,
+        served_model_name=args.served_model_name,
+        addresses=addresses,
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_body_bytes,
+        max_stop_strings=args.max_stop_strings,
+        max_logprobs=args.max_logprobs,
+        max_n=args.max_n,
+        default_max_tokens=args.default_max_tokens,
+        drain_timeout=args.drain_timeout,
+        scheduler_timeout=args.scheduler_timeout,
+        stall_timeout=args.stall_timeout,
+        log_level=args.log_level,
+    )
+    return run_frontend(config=config)

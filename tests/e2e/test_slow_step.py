@@ -1,0 +1,89 @@
+"""The scheduler keeps planning while the worker computes: with every step slowed to 1.5 s,
+adds and aborts are taken in, and take effect, while a step is in flight. One slot, so the
+added request must wait for the victim's slot: every snapshot below is one atomic EngineStats
+from the scheduler, sent from its loop while the worker is still busy."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from tests.servers import start_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def slow_server(tmp_path_factory: pytest.TempPathFactory):
+    running = start_server(
+        tmp_path_factory.mktemp("slow"), audit=1, debug_step_delay=1.5, num_slots=1
+    )
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+async def _snapshot_where(server, predicate, timeout: float = 10.0) -> dict[str, float]:
+    """Poll /metrics without blocking the event loop (the requests under test run on it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = await asyncio.to_thread(server.metrics)
+        if predicate(metrics):
+            return metrics
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no snapshot matched within {timeout}s: {server.metrics()}")
+
+
+async def test_adds_and_aborts_are_taken_in_during_a_step(slow_server):
+    server = slow_server
+    long_body = {
+        "model": MODEL,
+        "prompt": "Count to one hundred:",
+        "max_tokens": 500,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    async with aiohttp.ClientSession() as session:
+        victim = await session.post(server.url + "/v1/completions", json=long_body)
+        await victim.content.readline()  # the first token: the victim runs
+        before = server.metrics()["nanoserve:scheduler_messages_during_step_total"]
+
+        # An add while a step is in flight is queued at once, not after the step.
+        added = asyncio.create_task(
+            session.post(
+                server.url + "/v1/completions",
+                json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0},
+            )
+        )
+        queued = await _snapshot_where(
+            server,
+            lambda m: (
+                m["nanoserve:step_in_flight"] == 1 and m["nanoserve:num_requests_waiting"] == 1
+            ),
+        )
+        assert queued["nanoserve:num_requests_running"] == 1
+
+        # An abort while a step is in flight is taken in during that step (the counter moves
+        # and the step is still in flight), and its blocks come back; the waiting request then
+        # gets the slot. With --audit on, a leaked block would have stopped the scheduler.
+        assert queued["nanoserve:kv_cache_blocks_used"] >= 1
+        during = queued["nanoserve:scheduler_messages_during_step_total"]
+        assert during >= before + 1  # the add
+        victim.close()
+        await _snapshot_where(
+            server, lambda m: m["nanoserve:scheduler_messages_during_step_total"] >= during + 1
+        )
+        response = await asyncio.wait_for(added, timeout=30)
+        assert response.status == 200
+        assert (await response.json())["choices"][0]["text"] is not None
+    idle = await _snapshot_where(server, lambda m: m["nanoserve:num_requests_running"] == 0)
+    assert idle["nanoserve:kv_cache_blocks_used"] == 0
+    assert idle["nanoserve:num_requests_waiting"] == 0
+    server.check_alive()

@@ -1,0 +1,102 @@
+"""The scheduler going away: in-flight requests fail fast, new ones get 503, then it recovers.
+And the real `nanoserve frontend` process drains and exits 0 on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from frontend.config import FrontendConfig
+from tests.frontend.conftest import REPLY, Server, _addresses, reply_tokens
+from tests.frontend.fake_scheduler import FakeScheduler
+
+
+@pytest.mark.fake(token_delay=0.05)
+async def test_scheduler_loss_fails_streams_then_recovers(server: Server) -> None:
+    body = {"prompt": "Hi", "max_tokens": 100, "stream": True}
+    response = await server.http.post(server.url + "/v1/completions", json=body)
+    await response.content.readuntil(b"\n\n")
+    started = time.monotonic()
+    await server.fake.close()
+    rest = (await response.content.read()).decode()
+    assert time.monotonic() - started < 2.5
+    events = [e.removeprefix("data: ") for e in rest.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "service_unavailable"
+
+    refused = await server.post("/v1/completions", {"prompt": "Hi"})
+    assert refused.status == 503 and refused.headers["Retry-After"] == "1"
+    assert (await server.http.get(server.url + "/health")).status == 503
+
+    server.fake = FakeScheduler(server.fake.address, reply_tokens(server.tokenizer))
+    server.fake.start()
+    await server.client.wait_ready(timeout=5)
+    again = await server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 100})
+    assert (await again.json())["choices"][0]["text"] == REPLY
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+async def _wait_health(url: str, deadline: float) -> None:
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            try:
+                async with http.get(url + "/health") as response:
+                    if response.status == 200:
+                        return
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.1)  # polling a separate process: there is no event to await
+    raise TimeoutError("frontend did not become healthy")
+
+
+async def test_frontend_process_drains_and_exits_0_on_sigterm(tokenizer) -> None:
+    addresses = _addresses()
+    FrontendConfig(addresses=addresses)  # the same addresses validate
+    fake = FakeScheduler(addresses.frontend, reply_tokens(tokenizer), token_delay=0.05)
+    fake.start()
+    port = _free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "nanoserve.cli",
+        "frontend",
+        "--port",
+        str(port),
+        "--frontend-address",
+        addresses.frontend,
+        "--drain-timeout",
+        "10",
+    ]
+    env = {**os.environ, "NANOSERVE_API_KEY": ""}
+    process = subprocess.Popen(command, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await _wait_health(url, time.monotonic() + 60)
+        async with aiohttp.ClientSession() as http:
+            body = {"prompt": "Hi", "max_tokens": 10, "stream": True}
+            async with http.post(url + "/v1/completions", json=body) as response:
+                await response.content.readuntil(b"\n\n")
+                process.send_signal(signal.SIGTERM)
+                rest = (await response.content.read()).decode()
+        assert rest.rstrip().endswith("data: [DONE]")
+        assert "error" not in rest  # the in-flight stream finished normally
+        assert await asyncio.to_thread(process.wait, 20) == 0
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(5)
+        await fake.close()
