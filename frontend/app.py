@@ -1,8 +1,8 @@
 """create_app: the aiohttp application of the API process.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. Every error is OpenAI's ``{"error": {...}}`` body. The scheduler connection lives
-in ``cleanup_ctx``, so it opens with the app and closes with it.
+GET /metrics, GET /openapi.json. Every error is OpenAI's ``{"error": {...}}`` body. The
+scheduler connection lives in ``cleanup_ctx``, so it opens with the app and closes with it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import msgspec
 from aiohttp import web
 
 from frontend.client import SchedulerClient
@@ -20,6 +21,7 @@ from frontend.errors import ApiError
 from frontend.handlers import GenerationHandler
 from frontend.metrics import Metrics
 from frontend.request_parser import RequestParser
+from frontend.schemas import ChatCompletionRequest, CompletionRequest
 from frontend.tokenizer import ChatTokenizer, load_tokenizer
 from nanoserve.model_files import resolve_model
 
@@ -64,6 +66,7 @@ def create_app(
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
     return app
 
 
@@ -133,3 +136,88 @@ def health_problem(app: web.Application) -> str | None:
 async def _metrics(request: web.Request) -> web.Response:
     body = request.app[METRICS].render()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document(request.app[CONFIG].api_key is not None))
+
+
+def openapi_document(with_api_key: bool) -> dict:
+    """An OpenAPI 3.1 description of the endpoints; request bodies come from the msgspec
+    structs that decode them, so the two cannot drift apart."""
+    (completion, chat), components = msgspec.json.schema_components(
+        [CompletionRequest, ChatCompletionRequest], ref_template="#/components/schemas/{name}"
+    )
+    error = {"$ref": "#/components/schemas/Error"}
+    components["Error"] = {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": {"type": "object", "required": ["message", "type"]}},
+    }
+
+    def errors(*codes: int) -> dict:
+        described = {
+            400: "invalid body",
+            401: "missing or wrong API key",
+            404: "unknown model",
+            413: "body too large",
+            503: "not ready, draining, or the scheduler or worker is gone: retry later",
+        }
+        out = {
+            str(c): {
+                "description": described[c],
+                "content": {"application/json": {"schema": error}},
+            }
+            for c in codes
+        }
+        if 503 in codes:
+            out["503"]["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
+        return out
+
+    def generation(body: dict, summary: str) -> dict:
+        streamed = {"text/event-stream": {"schema": {"type": "string"}}}
+        whole = {"application/json": {"schema": {"type": "object"}}}
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": body}},
+                },
+                "responses": {
+                    "200": {"description": "the completion", "content": {**whole, **streamed}},
+                    **errors(400, 401, 404, 413, 503),
+                },
+            }
+        }
+
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    document = {
+        "openapi": "3.1.0",
+        "info": {"title": "nanoserve", "version": "1"},
+        "paths": {
+            "/v1/completions": generation(completion, "Text completion (OpenAI)"),
+            "/v1/chat/completions": generation(chat, "Chat completion (OpenAI)"),
+            "/v1/models": {"get": {"responses": {"200": {"description": "served models"}}}},
+            "/health": {
+                "get": {
+                    "responses": {
+                        "200": {"description": "a worker is ready and steps advance"},
+                        "503": {"description": "unavailable, with the reason"},
+                    }
+                }
+            },
+            "/metrics": {
+                "get": {"responses": {"200": {"description": "Prometheus", "content": text}}}
+            },
+            "/openapi.json": {"get": {"responses": {"200": {"description": "this document"}}}},
+        },
+        "components": {"schemas": components},
+    }
+    if with_api_key:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, item in document["paths"].items():
+            if path.startswith("/v1/"):
+                for operation in item.values():
+                    operation["security"] = [{"bearer": []}]
+    return document

@@ -18,6 +18,7 @@ import uuid
 import msgspec
 import zmq
 import zmq.asyncio
+from prometheus_client import Gauge
 from zmq.utils.monitor import parse_monitor_message
 
 from frontend.config import FrontendConfig
@@ -68,6 +69,7 @@ class SchedulerClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = asyncio.Event()
+        self._fault_gauges = _fault_gauges(self.metrics)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -123,7 +125,7 @@ class SchedulerClient:
         if self.info.protocol_version != PROTOCOL_VERSION:
             return f"scheduler speaks protocol {self.info.protocol_version}, not {PROTOCOL_VERSION}"
         if not self.info.worker_ready:
-            return "no worker is ready"
+            return self.info.reason or "no worker is ready"
         return None
 
     def geometry(self) -> Geometry | None:
@@ -233,6 +235,8 @@ class SchedulerClient:
             self.last_progress = time.monotonic()
         self.stats = stats
         self.metrics.observe_stats(stats)
+        for name, gauge in self._fault_gauges.items():
+            gauge.set(getattr(stats, name))
 
     def _on_info(self, info: SchedulerInfo) -> None:
         if info.protocol_version != PROTOCOL_VERSION:
@@ -242,7 +246,8 @@ class SchedulerClient:
                 PROTOCOL_VERSION,
             )
         elif self.info is None or self.info.worker_ready != info.worker_ready:
-            log.info("scheduler: worker %s", "ready" if info.worker_ready else "not ready")
+            state = "ready" if info.worker_ready else f"not ready ({info.reason})"
+            log.info("scheduler: worker %s", state)
         self.info = info
         self.last_progress = time.monotonic()
 
@@ -292,3 +297,16 @@ class SchedulerClient:
         routes, self._routes = self._routes, {}
         for _, queue in routes.values():
             queue.put_nowait(SchedulerLost(reason))
+
+
+def _fault_gauges(metrics: Metrics) -> dict[str, Gauge]:
+    """The scheduler's fault counters (they reset with it), mirrored from EngineStats."""
+    described = {
+        "bad_messages_total": "Frames the scheduler dropped (garbage, wrong type or version)",
+        "workers_lost_total": "Workers the scheduler lost (their requests were recomputed)",
+        "frontends_lost_total": "Frontends the scheduler lost (their requests were aborted)",
+    }
+    return {
+        name: Gauge(f"nanoserve:scheduler_{name}", text, registry=metrics.registry)
+        for name, text in described.items()
+    }

@@ -17,6 +17,7 @@ COMMANDS = [
     "frontend",
     "scheduler",
     "worker",
+    "supervise",
     "generate",
     "soak",
     "sweep_watermark",

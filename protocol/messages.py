@@ -225,6 +225,9 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     step_in_flight: bool = False
     messages_during_step_total: int = 0
     scheduler_busy_s_total: float = 0.0
+    bad_messages_total: int = 0  # frames the scheduler dropped (garbage, wrong type, version)
+    workers_lost_total: int = 0
+    frontends_lost_total: int = 0
 
 
 class Outputs(Message):
@@ -243,6 +246,7 @@ class SchedulerInfo(Message):
     max_model_len: int = 0
     num_blocks: int = 0
     block_size: int = 0
+    reason: str = ""  # why no worker is ready (empty while one is)
 
 
 SchedulerToFrontend = Outputs | SchedulerInfo | Heartbeat

@@ -7,15 +7,25 @@ then ignored when the result arrives, so no block leaks and no token reaches a d
 
 Life of one iteration: plan() -> send StepInput -> (adds, aborts, heartbeats) -> StepResult ->
 apply() -> audit (with --audit) -> Outputs to each frontend -> plan() again.
+
+Faults: a socket monitor on each ROUTER reports a peer's disconnection at once (the file
+descriptor a message arrived on says which peer it was), and silence longer than
+``peer_timeout`` is the backstop (an idle worker and every frontend heartbeat twice a second).
+A lost worker costs recompute, not requests: every running request goes back to waiting with its
+tokens and runs again when a worker announces itself; after ``worker_timeout`` without one, they
+fail. A lost frontend's requests are aborted. Garbage is logged, counted and dropped.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import signal
 import time
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from protocol.addresses import Addresses
 from protocol.channel import BadMessage, Channel
@@ -29,6 +39,7 @@ from protocol.messages import (
     Heartbeat,
     Outputs,
     RequestOutput,
+    SamplingParams,
     SchedulerHello,
     SchedulerInfo,
     StepInput,
@@ -49,6 +60,7 @@ class _Worker:
     last_seen: float
     in_flight: StepInput | None = None
     busy_s: float = 0.0
+    fd: int | None = None  # the connection its messages arrive on, to match monitor events
 
 
 @dataclass
@@ -57,22 +69,44 @@ class _Counters:
     steps: int = 0
     messages_during_step: int = 0  # frontend messages taken in while the worker computed
     scheduler_s: float = 0.0  # time spent planning and applying, not waiting on the worker
-    frontends: dict[bytes, float] = field(default_factory=dict)
+    frontends: dict[bytes, float] = field(default_factory=dict)  # peer -> last heard (monotonic)
+    frontend_fds: dict[bytes, int] = field(default_factory=dict)
+    workers_lost: int = 0
+    frontends_lost: int = 0
 
 
 class SchedulerProcess:
     """State and message handlers of the scheduler process; ``run`` is its loop."""
 
-    def __init__(self, *, config, addresses: Addresses, heartbeat_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        *,
+        config,
+        addresses: Addresses,
+        heartbeat_s: float = 0.5,
+        peer_timeout: float = 1.5,
+        worker_timeout: float = 60.0,
+    ) -> None:
         self.config = config
         self.heartbeat_s = heartbeat_s
+        self.peer_timeout = peer_timeout
+        self.worker_timeout = worker_timeout
         self.context = zmq.Context()
         self.frontends: Channel = Channel(self._bind(addresses.frontend), FrontendToScheduler)
         self.workers: Channel = Channel(self._bind(addresses.worker), WorkerToScheduler)
+        closed = zmq.EVENT_DISCONNECTED
+        self.monitors = {  # monitor socket -> what to do when one of its connections closes
+            self.frontends.socket.get_monitor_socket(closed): self._frontend_fd_closed,
+            self.workers.socket.get_monitor_socket(closed): self._worker_fd_closed,
+        }
         self.engine = None  # built when the first worker announces its geometry
         self.worker: _Worker | None = None
         self.owner: dict[str, bytes] = {}  # request id -> the frontend that sent it
         self.counters = _Counters()
+        self.lost_since: float | None = None  # monotonic time the last worker was lost
+        self.no_worker_reason = "no worker has announced itself yet"
+        self.stopping = False
+        self._hellos: dict[bytes, float] = {}  # unknown worker peer -> when we last greeted it
         self._last_heartbeat = 0.0
 
     def _bind(self, address: str) -> zmq.Socket:
@@ -85,36 +119,85 @@ class SchedulerProcess:
     # -- loop ----------------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Serve until interrupted."""
+        """Serve until SIGTERM or SIGINT (then return 0)."""
         poller = zmq.Poller()
         poller.register(self.frontends.socket, zmq.POLLIN)
         poller.register(self.workers.socket, zmq.POLLIN)
-        while True:
+        for monitor in self.monitors:
+            poller.register(monitor, zmq.POLLIN)
+        while not self.stopping:
             idle = self.worker is None or self.worker.in_flight is not None or not self._has_work()
             events = dict(poller.poll(int(self.heartbeat_s * 1000) if idle else 0))
             if self.frontends.socket in events:
                 self._drain(self.frontends, self._on_frontend)
             if self.workers.socket in events:
                 self._drain(self.workers, self._on_worker)
+            for monitor, on_closed in self.monitors.items():
+                if monitor in events:
+                    self._drain_monitor(monitor, on_closed)
+            self._check_liveness()
             self._maybe_step()
             self._maybe_heartbeat()
+        log.info("stopped")
+        return 0
+
+    def stop(self, *_: object) -> None:
+        """Leave the loop after the current iteration (a signal handler)."""
+        self.stopping = True
 
     def close(self) -> None:
-        """Close both sockets."""
-        self.frontends.socket.close(0)
-        self.workers.socket.close(0)
-        self.context.term()
+        """Close every socket."""
+        self.context.destroy(linger=0)
 
     def _drain(self, channel: Channel, handler) -> None:
         """Handle every message already queued on one socket, without blocking."""
         while channel.socket.poll(0):
+            frames = channel.socket.recv_multipart(copy=False)
             try:
-                peer, message = channel.recv()
+                # Channel's own decoding; frames come un-copied so their source fd is known.
+                peer, message = channel._decode([frame.bytes for frame in frames])
             except BadMessage as exc:
-                self.counters.bad_messages += 1
-                log.warning("dropped a bad message from peer %r: %s", exc.peer, exc)
+                self._bad(f"peer {exc.peer!r}: {exc}")
                 continue
-            handler(peer, message)
+            handler(peer, message, _source_fd(frames[-1]))
+
+    def _bad(self, what: str) -> None:
+        self.counters.bad_messages += 1
+        log.warning("dropped a bad message from %s", what)
+
+    def _drain_monitor(self, monitor: zmq.Socket, on_closed) -> None:
+        while monitor.poll(0):
+            event = parse_monitor_message(monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                on_closed(int(event["value"]))
+
+    def _worker_fd_closed(self, fd: int) -> None:
+        if self.worker is not None and self.worker.fd == fd:
+            self._worker_lost("its connection closed")
+
+    def _frontend_fd_closed(self, fd: int) -> None:
+        for peer, known in list(self.counters.frontend_fds.items()):
+            if known == fd:
+                self._frontend_lost(peer, "its connection closed")
+
+    def _check_liveness(self) -> None:
+        """The backstop for a peer that went silent without closing its connection."""
+        now = time.monotonic()
+        for peer, seen in list(self.counters.frontends.items()):
+            if now - seen > self.peer_timeout:
+                self._frontend_lost(peer, f"silent for {now - seen:.1f} s")
+        worker = self.worker
+        # Mid-step the beats come from a thread that Python code of the step can delay a little.
+        limit = self.peer_timeout * (2 if worker is not None and worker.in_flight else 1)
+        if worker is not None and now - worker.last_seen > limit:
+            self._worker_lost(f"silent for {now - worker.last_seen:.1f} s")
+        lost = self.lost_since
+        if self.worker is None and lost is not None and now - lost > self.worker_timeout:
+            self.lost_since = None
+            self.no_worker_reason = f"no worker came back within {self.worker_timeout:g} s"
+            log.error("%s: failing %d requests", self.no_worker_reason, len(self.owner))
+            self._fail_all(self.no_worker_reason)
+            self._tell_frontends()
 
     def _has_work(self) -> bool:
         return self.engine is not None and self.engine.has_unfinished()
@@ -134,9 +217,11 @@ class SchedulerProcess:
 
     # -- frontends ---------------------------------------------------------------------------
 
-    def _on_frontend(self, peer: bytes, message) -> None:
+    def _on_frontend(self, peer: bytes, message, fd: int | None) -> None:
         known = peer in self.counters.frontends
         self.counters.frontends[peer] = time.monotonic()
+        if fd is not None:
+            self.counters.frontend_fds[peer] = fd
         if self.worker is not None and self.worker.in_flight is not None:
             self.counters.messages_during_step += 1
         match message:
@@ -152,6 +237,7 @@ class SchedulerProcess:
 
     def _hello(self, peer: bytes, hello: FrontendHello) -> None:
         if hello.protocol_version != PROTOCOL_VERSION:
+            self.counters.bad_messages += 1
             log.error(
                 "frontend %s speaks protocol %d, this scheduler %d: ignored",
                 hello.frontend_id,
@@ -170,18 +256,51 @@ class SchedulerProcess:
             max_model_len=ready.max_model_len if ready else 0,
             num_blocks=ready.num_blocks if ready else 0,
             block_size=ready.block_size if ready else 0,
+            reason="" if ready else self.no_worker_reason,
         )
 
+    def _tell_frontends(self) -> None:
+        info = self._info()
+        for frontend in self.counters.frontends:
+            self.frontends.send(info, frontend)
+
+    def _frontend_lost(self, peer: bytes, why: str) -> None:
+        """Forget a frontend and abort its requests: nobody is left to read their tokens."""
+        self.counters.frontends.pop(peer, None)
+        self.counters.frontend_fds.pop(peer, None)
+        self.counters.frontends_lost += 1
+        orphans = [request_id for request_id, owner in self.owner.items() if owner == peer]
+        for request_id in orphans:
+            self._abort(request_id)
+        log.warning("frontend %r lost (%s): aborted its %d requests", peer, why, len(orphans))
+
     def _add(self, peer: bytes, add: AddRequest) -> None:
-        if self.engine is None:
-            self._reply(peer, [_failed(add.request_id, "no worker is ready")])
+        if self.engine is None or (self.worker is None and self.lost_since is None):
+            self._reply(peer, [_failed(add.request_id, self.no_worker_reason)])
+            return
+        if add.request_id in self.owner:
+            self._bad(f"peer {peer!r}: request id {add.request_id!r} is already in use")
             return
         try:
+            # The frontend validates; this is the last line of defence for a raw peer, so that
+            # a poisonous request can never crash the worker over and over.
+            _check_request(add, self.engine.ready_info.vocab_size)
             self.engine.add_request(add.request_id, list(add.prompt_token_ids), add.params)
-        except ValueError as exc:  # the frontend validates; this is the last line of defence
+        except ValueError as exc:
             self._reply(peer, [_failed(add.request_id, str(exc))])
             return
         self.owner[add.request_id] = peer
+
+    def _fail_all(self, reason: str) -> None:
+        """Fail every request: each owner gets finish_reason "error" with ``reason``."""
+        by_peer: dict[bytes, list[RequestOutput]] = {}
+        for request_id, peer in self.owner.items():
+            if self.engine is not None:
+                self.engine.abort(request_id)
+            by_peer.setdefault(peer, []).append(_failed(request_id, reason))
+        self.owner.clear()
+        for peer, batch in by_peer.items():
+            self._reply(peer, batch)
 
     def _abort(self, request_id: str) -> None:
         if self.engine is not None and request_id in self.owner:
@@ -193,39 +312,77 @@ class SchedulerProcess:
 
     # -- worker ------------------------------------------------------------------------------
 
-    def _on_worker(self, peer: bytes, message) -> None:
+    def _on_worker(self, peer: bytes, message, fd: int | None) -> None:
         if self.worker is not None and peer == self.worker.peer:
             self.worker.last_seen = time.monotonic()
+            self.worker.fd = fd if fd is not None else self.worker.fd
         match message:
             case WorkerReady():
-                self._worker_ready(peer, message)
+                self._worker_ready(peer, message, fd)
             case StepResult():
                 self._step_done(peer, message)
             case Heartbeat():
-                if self.worker is None or peer != self.worker.peer:
-                    # A worker we do not know (we restarted, or it did): ask it to announce.
-                    self.workers.send(SchedulerHello(), peer)
+                # The worker beats from a second socket; ``sender`` names its main one.
+                identity = message.sender.encode()
+                if self.worker is not None and identity == self.worker.peer:
+                    self.worker.last_seen = time.monotonic()
+                else:
+                    self._greet(identity)
 
-    def _worker_ready(self, peer: bytes, ready: WorkerReady) -> None:
+    def _greet(self, peer: bytes) -> None:
+        """Ask a worker we do not know (we restarted, or it did) to announce itself, once a
+        second at most: heartbeats it queued while we were away arrive all at once."""
+        now = time.monotonic()
+        if now - self._hellos.get(peer, -math.inf) >= 1.0:
+            self._hellos[peer] = now
+            self.workers.send(SchedulerHello(), peer)
+
+    def _worker_ready(self, peer: bytes, ready: WorkerReady, fd: int | None) -> None:
         if ready.protocol_version != PROTOCOL_VERSION:
-            log.error(
-                "worker speaks protocol %d, this scheduler %d: refused",
-                ready.protocol_version,
-                PROTOCOL_VERSION,
+            self._bad(
+                f"a worker speaking protocol {ready.protocol_version}, not {PROTOCOL_VERSION}"
             )
             return
         from scheduler.engine import Engine
 
+        if self.engine is not None and _geometry(self.engine.ready_info) != _geometry(ready):
+            log.error("the new worker's cache geometry differs: %s", _geometry(ready))
+            self._fail_all("the worker was replaced by one with a different model or cache")
+            self.engine = None
         if self.engine is None:
-            self.engine = Engine(ready, self.config)
+            try:
+                self.engine = Engine(ready, self.config)
+            except ValueError as exc:
+                self._bad(f"a worker that does not fit this scheduler: {exc}")
+                return
         else:
             self.engine.worker_lost()  # running requests go back to waiting with their tokens
-        self.worker = _Worker(peer=peer, ready=ready, last_seen=time.monotonic())
+        lost_for = time.monotonic() - self.lost_since if self.lost_since is not None else None
+        self.worker = _Worker(peer=peer, ready=ready, last_seen=time.monotonic(), fd=fd)
+        self.lost_since = None
+        self._hellos.clear()
         log.info(
-            "worker ready: %s, %d blocks of %d", ready.model_id, ready.num_blocks, ready.block_size
+            "worker ready: %s, %d blocks of %d%s",
+            ready.model_id,
+            ready.num_blocks,
+            ready.block_size,
+            f", {lost_for:.2f} s after the last one was lost" if lost_for is not None else "",
         )
-        for frontend in self.counters.frontends:
-            self.frontends.send(self._info(), frontend)
+        self._tell_frontends()
+
+    def _worker_lost(self, why: str) -> None:
+        """The worker is gone: its rows with it. Running requests wait to be recomputed."""
+        if self.worker is None:
+            return
+        running = self.engine.stats().num_running if self.engine is not None else 0
+        log.error("worker lost (%s): %d running requests go back to waiting", why, running)
+        if self.engine is not None:
+            self.engine.worker_lost()
+        self.worker = None
+        self.counters.workers_lost += 1
+        self.lost_since = time.monotonic()
+        self.no_worker_reason = f"the worker was lost ({why}); waiting for one to come back"
+        self._tell_frontends()
 
     def _step_done(self, peer: bytes, result: StepResult) -> None:
         worker = self.worker
@@ -287,6 +444,9 @@ class SchedulerProcess:
             step_in_flight=self.worker is not None and self.worker.in_flight is not None,
             messages_during_step_total=self.counters.messages_during_step,
             scheduler_busy_s_total=self.counters.scheduler_s,
+            bad_messages_total=self.counters.bad_messages,
+            workers_lost_total=self.counters.workers_lost,
+            frontends_lost_total=self.counters.frontends_lost,
         )
 
 
@@ -296,9 +456,61 @@ def _failed(request_id: str, reason: str) -> RequestOutput:
     )
 
 
-def run_scheduler(*, config, addresses: Addresses, heartbeat_s: float = 0.5) -> int:
-    """Entry function of the scheduler process. ``config`` is a scheduler.config.SchedulerConfig."""
-    process = SchedulerProcess(config=config, addresses=addresses, heartbeat_s=heartbeat_s)
+def _source_fd(frame: zmq.Frame) -> int | None:
+    try:
+        return frame.get(zmq.SRCFD)
+    except zmq.ZMQError:  # a libzmq without the (deprecated) property: the timeout still works
+        return None
+
+
+def _geometry(ready: WorkerReady) -> tuple:
+    """What a replacement worker must share with the lost one for requests to carry over."""
+    return (
+        ready.model_id,
+        ready.num_blocks,
+        ready.block_size,
+        ready.num_slots,
+        ready.max_model_len,
+        tuple(ready.eos_token_ids),
+        ready.vocab_size,
+    )
+
+
+def _check_request(add: AddRequest, vocab_size: int) -> None:
+    """ValueError for what msgspec's types let through but the worker could not run."""
+    p: SamplingParams = add.params
+    ids = [*add.prompt_token_ids, *p.stop_token_ids, *(p.logit_bias or {})]
+    if any(not 0 <= token < vocab_size for token in ids):
+        raise ValueError(f"token ids must be in [0, {vocab_size})")
+    floats = (p.temperature, p.top_p, p.min_p, p.repetition_penalty)
+    if not all(math.isfinite(x) for x in (*floats, p.presence_penalty, p.frequency_penalty)):
+        raise ValueError("sampling parameters must be finite")
+    if p.temperature < 0 or not 0 < p.top_p <= 1 or not 0 <= p.min_p <= 1:
+        raise ValueError("temperature, top_p or min_p out of range")
+    if p.repetition_penalty <= 0 or (p.top_k is not None and p.top_k < 1) or p.min_tokens < 0:
+        raise ValueError("repetition_penalty, top_k or min_tokens out of range")
+    if p.logprobs is not None and not 0 <= p.logprobs <= 20:
+        raise ValueError("logprobs must be in [0, 20]")
+    if any(not math.isfinite(v) for v in (p.logit_bias or {}).values()):
+        raise ValueError("logit_bias values must be finite")
+
+
+def run_scheduler(
+    *,
+    config,
+    addresses: Addresses,
+    heartbeat_s: float = 0.5,
+    worker_timeout: float = 60.0,
+) -> int:
+    """Entry function of the scheduler process. ``config`` is a scheduler.config.SchedulerConfig.
+
+    Requests wait up to ``worker_timeout`` seconds for a lost worker to come back.
+    """
+    process = SchedulerProcess(
+        config=config, addresses=addresses, heartbeat_s=heartbeat_s, worker_timeout=worker_timeout
+    )
+    signal.signal(signal.SIGTERM, process.stop)
+    signal.signal(signal.SIGINT, process.stop)
     try:
         return process.run()
     finally:

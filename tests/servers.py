@@ -2,12 +2,15 @@
 
 Each server gets its own run id (so its ipc sockets never collide with another run's) and a
 free port on 127.0.0.1. Every wait is bounded; ``stop`` SIGTERMs, then SIGKILLs what lingers.
+A role started ``supervised`` runs under ``nanoserve supervise``, which writes its child's PID to
+<log_dir>/<role>.pid, so a test can kill the child and watch it come back.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -43,14 +46,53 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, role: str, *extra: str) -> subprocess.Popen:
+    def start(self, role: str, *extra: str, supervised: bool = False) -> subprocess.Popen:
         """Start (or restart) one role's process, its output going to <log_dir>/<role>.log."""
         log = open(self.log_dir / f"{role}.log", "ab")  # noqa: SIM115 - closed with the process
         command = [sys.executable, "-m", "nanoserve.cli", role, *extra]
+        if supervised:
+            pid_file = str(self.pid_file(role))
+            supervise = ["supervise", "--initial-backoff", "0.2", "--pid-file", pid_file, "--"]
+            command = [sys.executable, "-m", "nanoserve.cli", *supervise, *command]
         process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         self.processes[role] = process
         return process
+
+    def pid_file(self, role: str) -> Path:
+        """Where a supervised role's supervisor writes its child's PID."""
+        return self.log_dir / f"{role}.pid"
+
+    def child_pid(self, role: str, other_than: int | None = None, timeout: float = 60.0) -> int:
+        """The supervised child's PID (waiting, bounded, for one other than ``other_than``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                pid = int(self.pid_file(role).read_text())
+            except (FileNotFoundError, ValueError):
+                pid = None
+            if pid is not None and pid != other_than:
+                return pid
+            time.sleep(0.02)
+        raise TimeoutError(f"no new {role} child after {timeout}s\n{self.logs()}")
+
+    def wait_log(self, role: str, pattern: str, after: int = 0, timeout: float = 30.0) -> int:
+        """Wait (bounded) for a line matching ``pattern`` in a role's log past byte ``after``;
+        returns the byte offset just past the match."""
+        path = self.log_dir / f"{role}.log"
+        regex = re.compile(pattern.encode())
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = regex.search(path.read_bytes(), after) if path.exists() else None
+            if found is not None:
+                return found.end()
+            time.sleep(0.01)
+        raise TimeoutError(f"{pattern!r} not in the {role} log after {timeout}s\n{self.logs()}")
+
+    def log_size(self, role: str) -> int:
+        """The current size of a role's log: pass it as ``after`` to wait for new lines only."""
+        path = self.log_dir / f"{role}.log"
+        return path.stat().st_size if path.exists() else 0
 
     def get(self, path: str, timeout: float = 5.0) -> tuple[int, str]:
         """GET a path; returns (status, body) and never raises for an HTTP status."""
@@ -107,16 +149,25 @@ class Server:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for process in self.processes.values():
+        for role, process in self.processes.items():
             try:
                 process.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.kill(process.pid, signal.SIGKILL)
                 process.wait()
+                self._kill_orphan(role)
+
+    def _kill_orphan(self, role: str) -> None:
+        """A supervised child outlives its SIGKILLed supervisor: end it too."""
+        try:
+            os.kill(int(self.pid_file(role).read_text()), signal.SIGKILL)
+        except (FileNotFoundError, ValueError, ProcessLookupError):
+            pass
 
 
-def start_server(log_dir: Path, **options: object) -> Server:
-    """Start scheduler, worker and frontend with NANOSERVE_<OPTION> set from ``options``."""
+def start_server(log_dir: Path, supervised: tuple[str, ...] = (), **options: object) -> Server:
+    """Start scheduler, worker and frontend with NANOSERVE_<OPTION> set from ``options``;
+    the roles in ``supervised`` run under ``nanoserve supervise``."""
     port = free_port()
     run_id = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ)
@@ -126,7 +177,7 @@ def start_server(log_dir: Path, **options: object) -> Server:
     server = Server(port=port, run_id=run_id, log_dir=log_dir, env=env)
     try:
         for role in ROLES:
-            server.start(role)
+            server.start(role, supervised=role in supervised)
         server.wait_healthy()
     except BaseException:
         server.stop()

@@ -1,22 +1,29 @@
 """The worker process: load the model, allocate the cache, announce the geometry, run steps.
 
 The worker connects a DEALER socket to the scheduler's worker endpoint and then only answers:
-each StepInput gets exactly one StepResult. While idle it sends a Heartbeat every
-``heartbeat_s`` so the scheduler can tell a dead worker from a quiet one. A SchedulerHello means
+each StepInput gets exactly one StepResult. A second thread sends a Heartbeat every
+``heartbeat_s`` on a socket of its own, busy or idle, so the scheduler can tell a dead (or hung)
+worker from a busy one; the beat names the main socket's identity. A SchedulerHello means
 "announce yourself": a new scheduler knows nothing of our rows, so they are all dropped first.
+SIGTERM or SIGINT ends it cleanly (exit 0) between steps.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
+import uuid
 
+import msgspec
 import zmq
 
 from protocol.addresses import Addresses
 from protocol.channel import BadMessage, Channel
 from protocol.messages import (
+    PROTOCOL_VERSION,
     Heartbeat,
     SchedulerHello,
     SchedulerToWorker,
@@ -53,37 +60,87 @@ def run_worker(
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    # A known identity, so heartbeats from the second socket can say whose liveness they carry.
+    identity = f"worker-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    socket.setsockopt(zmq.ROUTING_ID, identity.encode())
     socket.connect(addresses.worker)
     channel: Channel = Channel(socket, SchedulerToWorker)
     channel.send(ready)
-    sender = f"worker-{os.getpid()}"
-    last_sent = time.monotonic()
+    stopping: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda number, _frame: stopping.append(number))
+    beats = threading.Event()
+    heart = threading.Thread(
+        target=_heartbeats,
+        args=(context, addresses.worker, identity, heartbeat_s, beats),
+        name="heartbeats",
+        daemon=True,
+    )
+    heart.start()
     try:
-        while True:
-            if socket.poll(int(heartbeat_s * 1000)):
-                try:
-                    _, message = channel.recv()
-                except BadMessage as exc:
-                    log.warning("dropped a bad message from the scheduler: %s", exc)
-                    continue
-                match message:
-                    case StepInput():
-                        if step_delay_s:
-                            time.sleep(step_delay_s)
-                        channel.send(_execute(worker, message))
-                    case SchedulerHello():
-                        worker.reset()
-                        channel.send(worker.ready())
-                    case Shutdown():
-                        log.info("shutdown: %s", message.reason or "asked by the scheduler")
-                        return 0
-                last_sent = time.monotonic()
-            elif time.monotonic() - last_sent >= heartbeat_s:
-                channel.send(Heartbeat(sender=sender, time=time.time()))
-                last_sent = time.monotonic()
+        code = _serve(channel, worker, stopping, heartbeat_s, step_delay_s)
+        log.info("stopped (%s)", f"signal {stopping[0]}" if stopping else "shutdown")
+        return code
     finally:
+        beats.set()
+        heart.join(5.0)
         socket.close(0)
         context.term()
+
+
+def _serve(channel: Channel, worker, stopping: list[int], poll_s: float, delay_s: float) -> int:
+    """Answer the scheduler until Shutdown (or a signal lands in ``stopping``)."""
+    bad = 0
+    while not stopping:
+        if not channel.socket.poll(int(poll_s * 1000)):
+            continue
+        try:
+            _, message = channel.recv()
+        except BadMessage as exc:
+            bad += 1
+            log.warning("dropped bad message #%d from the scheduler: %s", bad, exc)
+            continue
+        match message:
+            case StepInput():
+                if delay_s:
+                    time.sleep(delay_s)
+                channel.send(_execute(worker, message))
+            case SchedulerHello() if message.protocol_version != PROTOCOL_VERSION:
+                bad += 1
+                log.error(
+                    "a scheduler speaking protocol %d, not %d: ignored",
+                    message.protocol_version,
+                    PROTOCOL_VERSION,
+                )
+            case SchedulerHello():
+                worker.reset()
+                channel.send(worker.ready())
+            case Shutdown():
+                log.info("shutdown: %s", message.reason or "asked by the scheduler")
+                return 0
+    return 0
+
+
+def _heartbeats(
+    context: zmq.Context, address: str, identity: str, period: float, stop: threading.Event
+) -> None:
+    """Beat every ``period`` from a socket of this thread's own, so that a long step (the main
+    thread busy in the forward, which releases the GIL) still shows the worker alive, and a
+    hung or stopped one goes quiet. Beats are dropped, never queued up, while no one listens."""
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDHWM, 2)
+    socket.connect(address)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        while not stop.wait(period):
+            try:
+                beat = Heartbeat(sender=identity, time=time.time())
+                socket.send(encoder.encode(beat), zmq.DONTWAIT)
+            except zmq.Again:
+                pass
+    finally:
+        socket.close(0)
 
 
 def _execute(worker, step: StepInput) -> StepResult:

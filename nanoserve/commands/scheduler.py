@@ -37,6 +37,12 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
         default=env("audit", False, bool),
         help="check every ledger invariant between iterations",
     )
+    group.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=env("worker_timeout", 60.0, float),
+        help="seconds requests wait for a lost worker to come back before they fail",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,4 +56,8 @@ def run(args: argparse.Namespace) -> int:
     config = SchedulerConfig(
         token_budget=args.token_budget, watermark_blocks=args.watermark_blocks, audit=args.audit
     )
-    return run_scheduler(config=config, addresses=addresses_from(args))
+    if args.worker_timeout <= 0:
+        raise ValueError(f"--worker-timeout must be > 0, got {args.worker_timeout}")
+    return run_scheduler(
+        config=config, addresses=addresses_from(args), worker_timeout=args.worker_timeout
+    )

@@ -1,9 +1,10 @@
 """``nanoserve serve``: start the scheduler, the worker and the frontend, for users without honcho.
 
-The three processes are the same commands the Procfile runs. Options reach them as NANOSERVE_*
+The three processes are the same commands the Procfile runs: the scheduler and the worker under
+``nanoserve supervise``, which restarts them when they die. Options reach them as NANOSERVE_*
 environment variables (exactly as honcho passes .env), so every process sees one configuration.
-SIGINT or SIGTERM stops the frontend first (it drains), then the others. If any process dies
-unexpectedly the others are stopped and serve exits non-zero.
+SIGINT or SIGTERM stops the frontend first (it drains), then the others, and serve exits 0. If
+the frontend or a supervisor exits unexpectedly the others are stopped and serve exits 1.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from nanoserve.commands.worker import add_worker_args
 from nanoserve.options import add_address_args, add_model_arg, env
 
 ROLES = ("scheduler", "worker", "frontend")
+SUPERVISED = ("scheduler", "worker")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,6 +48,14 @@ def child_environment(args: argparse.Namespace) -> dict[str, str]:
     return environment
 
 
+def role_command(role: str) -> list[str]:
+    """The command line of one role's process, under the supervisor where it restarts."""
+    command = [sys.executable, "-m", "nanoserve.cli", role]
+    if role in SUPERVISED:
+        return [sys.executable, "-m", "nanoserve.cli", "supervise", "--", *command]
+    return command
+
+
 def run(args: argparse.Namespace) -> int:
     """Start the processes and wait; returns 0 after a clean stop."""
     environment = child_environment(args)
@@ -59,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     for role in ROLES:
-        command = [sys.executable, "-m", "nanoserve.cli", role]
-        children[role] = subprocess.Popen(command, env=environment)
+        children[role] = subprocess.Popen(role_command(role), env=environment)
     try:
         while not stopping:
             for role, child in children.items():
