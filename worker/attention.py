@@ -101,42 +101,41 @@ def _decode_batch(decodes, block_size, n_kv, dtype):
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, out=None):
-    """cache (n_kv, N * bs, hd), blocks (K,) -> (n_kv, K * bs, hd), block by block (one
-    contiguous copy per block, far faster than a per-token gather), into ``out`` if given."""
-    n_kv, _, head_dim = cache.shape
-    paged = cache.view(n_kv, -1, block_size, head_dim)  # (n_kv, N, bs, hd)
+    """cache (2, n_kv, N * bs, hd), blocks (K,) -> K and V together, (2, n_kv, K * bs, hd):
+    one contiguous copy per block, far faster than a per-token gather, into ``out`` if given."""
+    two, n_kv, _, head_dim = cache.shape
+    paged = cache.view(two, n_kv, -1, block_size, head_dim)  # (2, n_kv, N, bs, hd)
     if out is None:
-        picked = paged.index_select(1, blocks)
+        picked = paged.index_select(2, blocks)
     else:
-        picked = torch.index_select(paged, 1, blocks, out=out)  # (n_kv, K, bs, hd)
-    return picked.view(n_kv, -1, head_dim)
+        picked = torch.index_select(paged, 2, blocks, out=out)  # (2, n_kv, K, bs, hd)
+    return picked.view(two, n_kv, -1, head_dim)
 
 
-def paged_attention(q, k, v, cache_k, cache_v, meta: AttentionMetadata, scratch) -> torch.Tensor:
-    """Write k, v (T, n_kv, hd) into the cache (each (n_kv, N * bs, hd)), then attend;
-    q (T, n_heads, hd) -> same shape. ``scratch(name, shape)`` lends reusable buffers."""
-    cache_k.index_copy_(1, meta.write_index, k.transpose(0, 1))
-    cache_v.index_copy_(1, meta.write_index, v.transpose(0, 1))
+def paged_attention(q, kv, cache, meta: AttentionMetadata, scratch) -> torch.Tensor:
+    """Write kv (T, 2, n_kv, hd) into one layer's cache (2, n_kv, N * bs, hd), then attend;
+    q (T, n_heads, hd) -> same shape. ``scratch(name, shape)`` lends reusable buffers.
+    K and V travel together: one write and one gather per layer instead of two each."""
+    cache.index_copy_(2, meta.write_index, kv.permute(1, 2, 0, 3))
     if not meta.prefills:
-        return _decode(q, cache_k, cache_v, meta, scratch)
+        return _decode(q, cache, meta, scratch)
     out = torch.empty_like(q)
     if meta.decode_tokens.numel():
         q_dec = q[meta.decode_tokens]
-        out[meta.decode_tokens] = _decode(q_dec, cache_k, cache_v, meta, scratch)
+        out[meta.decode_tokens] = _decode(q_dec, cache, meta, scratch)
     for span in meta.prefills:
-        out[span.begin : span.end] = _prefill(q, k, v, cache_k, cache_v, span, meta.block_size)
+        out[span.begin : span.end] = _prefill(q, kv, cache, span, meta.block_size)
     return out
 
 
-def _decode(q, cache_k, cache_v, meta: AttentionMetadata, scratch) -> torch.Tensor:
+def _decode(q, cache, meta: AttentionMetadata, scratch) -> torch.Tensor:
     batch, n_heads, head_dim = q.shape
-    n_kv, bs = cache_k.shape[0], meta.block_size
-    shape = (n_kv, meta.decode_blocks.numel(), bs, head_dim)
-    length = shape[1] * bs // batch
-    keys = _gather_blocks(cache_k, meta.decode_blocks, bs, scratch("decode_k", shape))
-    values = _gather_blocks(cache_v, meta.decode_blocks, bs, scratch("decode_v", shape))
-    keys = keys.view(n_kv * batch, length, head_dim)  # (n_kv * B, L, hd), each row contiguous
-    values = values.view(n_kv * batch, length, head_dim)
+    n_kv, bs = cache.shape[1], meta.block_size
+    shape = (2, n_kv, meta.decode_blocks.numel(), bs, head_dim)
+    length = shape[2] * bs // batch
+    kv = _gather_blocks(cache, meta.decode_blocks, bs, scratch("decode_kv", shape))
+    kv = kv.view(2, n_kv * batch, length, head_dim)  # (2, n_kv * B, L, hd), rows contiguous
+    keys, values = kv[0], kv[1]
     # Grouped-query trick: each KV head's group of query heads is that head's "query length",
     # so K/V are never repeated per query head.
     group = n_heads // n_kv
@@ -147,15 +146,14 @@ def _decode(q, cache_k, cache_v, meta: AttentionMetadata, scratch) -> torch.Tens
     return out.view(n_kv, batch, group, head_dim).transpose(0, 1).reshape(batch, n_heads, -1)
 
 
-def _prefill(q, k, v, cache_k, cache_v, span: PrefillSpan, block_size: int) -> torch.Tensor:
+def _prefill(q, kv, cache, span: PrefillSpan, block_size: int) -> torch.Tensor:
     qs = q[span.begin : span.end].transpose(0, 1)  # (n_heads, n, hd)
-    group = q.shape[1] // k.shape[1]
+    group = q.shape[1] // kv.shape[2]
     if span.blocks is None:
-        ks = k[span.begin : span.end].transpose(0, 1)  # (n_kv, n, hd)
-        vs = v[span.begin : span.end].transpose(0, 1)
+        ks = kv[span.begin : span.end, 0].transpose(0, 1)  # (n_kv, n, hd)
+        vs = kv[span.begin : span.end, 1].transpose(0, 1)
     else:
-        ks = _gather_blocks(cache_k, span.blocks, block_size)  # (n_kv, M * bs, hd)
-        vs = _gather_blocks(cache_v, span.blocks, block_size)
+        ks, vs = _gather_blocks(cache, span.blocks, block_size)  # (n_kv, M * bs, hd) each
     # Repeat K/V per query head (as transformers' repeat_kv does): SDPA's enable_gqa would send
     # CPU to its slow math kernel instead of the flash one.
     ks = ks.repeat_interleave(group, dim=0)  # (n_heads, L, hd)

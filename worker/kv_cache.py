@@ -47,9 +47,9 @@ class KVCache:
             index = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)
             self.pool.index_fill_(3, index, 0.0)
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer, each (n_kv_heads, num_blocks * block_size, head_dim)."""
-        return self._flat[index, 0], self._flat[index, 1]
+    def layer(self, index: int) -> torch.Tensor:
+        """K and V of one layer, (2, n_kv_heads, num_blocks * block_size, head_dim)."""
+        return self._flat[index]
 
     def scratch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A reusable buffer of ``shape`` in the pool's dtype; contents are garbage. The same

@@ -128,18 +128,18 @@ class Attention(nn.Module):
         self.qkv_proj = Linear.of(torch.cat([p.weight for p in parts]), bias)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor], meta, scratch):
+    def forward(self, x, cos, sin, cache: torch.Tensor, meta, scratch):
         tokens, nq, nkv = x.shape[0], self.n_heads, self.n_kv
         qkv = self.qkv_proj(x)  # (T, (nq + 2 * nkv) * hd)
         qkv = qkv.view(tokens, nq + 2 * nkv, self.head_dim)
-        v = qkv[:, nq + nkv :]  # (T, nkv, hd)
+        qk = qkv[:, : nq + nkv]  # (T, nq + nkv, hd)
         if hasattr(self, "q_norm"):
-            qk = torch.cat((self.q_norm(qkv[:, :nq]), self.k_norm(qkv[:, nq : nq + nkv])), 1)
-        else:
-            qk = qkv[:, : nq + nkv]
-        qk = apply_rotary(qk, cos, sin)  # (T, nq + nkv, hd)
-        q, k = qk[:, :nq], qk[:, nq:]
-        out = paged_attention(q, k, v, cache[0], cache[1], meta, scratch)  # (T, nq, hd)
+            qkv[:, :nq] = self.q_norm(qkv[:, :nq])
+            qkv[:, nq : nq + nkv] = self.k_norm(qkv[:, nq : nq + nkv])
+        # Rotated in place, so k and v stay side by side in qkv: one cache write for both.
+        apply_rotary(qk, cos, sin, out=qk)
+        kv = qkv[:, nq:].view(tokens, 2, nkv, self.head_dim)
+        out = paged_attention(qkv[:, :nq], kv, cache, meta, scratch)  # (T, nq, hd)
         return self.o_proj(out.reshape(tokens, nq * self.head_dim))
 
 
@@ -162,7 +162,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, intermediate) each
-        return self.down_proj(F.silu(gate) * up)  # (T, hidden)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # (T, hidden)
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -180,8 +180,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec)
 
     def forward(self, x, cos, sin, cache, meta, scratch):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, scratch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # Residuals added in place into the fresh sublayer outputs (a + b == b + a exactly).
+        x = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, scratch).add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class LlamaBody(nn.Module):

@@ -66,10 +66,13 @@ def rotary_cos_sin(
     return angles.cos().to(dtype)[:, None, :], sin[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (T, heads, head_dim) by the angles of its token's position.
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rotate x (T, heads, head_dim) by the angles of its token's position, into ``out`` if
+    given (``out=x`` rotates in place: both products are taken before it is written).
 
     transformers' ``x * cos + cat(-x2, x1) * sin`` with the sign moved into ``sin``: negation
     is exact, so the result is the same bit for bit.
     """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    return torch.add(x * cos, x.roll(x.shape[-1] // 2, dims=-1) * sin, out=out)
