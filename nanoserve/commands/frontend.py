@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from nanoserve.options import add_address_args, add_model_arg, addresses_from
+
 _ENV = "NANOSERVE_"
 
 
@@ -17,17 +19,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("frontend", help="run the HTTP API process")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="bind address [%(default)s]")
     p.add_argument("--port", type=int, default=int(_env("PORT", "8000")), help="[%(default)s]")
-    p.add_argument("--model", default=_env("MODEL"), help="model name or path (default model)")
+    add_model_arg(p)
     p.add_argument("--tokenizer", default=_env("TOKENIZER"), help="tokenizer model (--model)")
     p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"))
-    p.add_argument("--run-id", default=_env("RUN_ID", "default"), help="socket name suffix")
-    p.add_argument("--transport", choices=["ipc", "tcp"], default=_env("TRANSPORT", "ipc"))
-    p.add_argument(
-        "--base-port",
-        type=int,
-        default=int(_env("BASE_PORT", "5610")),
-        help="first of the scheduler's two tcp ports (tcp transport only)",
-    )
+    add_address_args(p)
     p.add_argument(
         "--frontend-address",
         default=_env("FRONTEND_ADDRESS"),
@@ -54,9 +49,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from frontend.config import FrontendConfig
     from frontend.process import run_frontend
-    from protocol.addresses import Addresses, default_addresses
+    from protocol.addresses import Addresses
 
-    addresses = default_addresses(args.run_id, args.transport, args.base_port)
+    addresses = addresses_from(args)
     if args.frontend_address:
         addresses = Addresses(frontend=args.frontend_address, worker=addresses.worker)
     config = FrontendConfig(
