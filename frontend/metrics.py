@@ -43,6 +43,11 @@ class Metrics:
         self.step_in_flight = Gauge(
             "nanoserve:step_in_flight", "1 while the worker computes a step", registry=r
         )
+        self.steps_in_flight = Gauge(
+            "nanoserve:steps_in_flight",
+            "Steps sent to the worker and not answered yet (2 while overlap runs ahead)",
+            registry=r,
+        )
         self.messages_during_step = Gauge(
             "nanoserve:scheduler_messages_during_step_total",
             "Adds and aborts the scheduler took in while a step was in flight",
@@ -109,6 +114,7 @@ class Metrics:
         self.steps.set(stats.num_steps_total)
         self.worker_ready.set(1 if stats.worker_ready else 0)
         self.step_in_flight.set(1 if stats.step_in_flight else 0)
+        self.steps_in_flight.set(stats.steps_in_flight)
         self.messages_during_step.set(stats.messages_during_step_total)
         self.worker_busy.set(stats.worker_busy_s_total)
         self.scheduler_busy.set(stats.scheduler_busy_s_total)

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: StepItem token ids may be PENDING_TOKEN (overlapped scheduling)
+
+PENDING_TOKEN = -1
+"""A token the scheduler has not seen yet: the one the worker sampled for this row in the
+row's previous step. Overlapped scheduling plans step N+1 before step N's samples are back, so
+a decode item of step N+1 names its input token this way and the worker substitutes its own."""
 
 
 class Message(msgspec.Struct, tag=True, array_like=True, gc=False, frozen=True, kw_only=True):
@@ -58,6 +63,8 @@ class StepItem(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=T
     carries ``params`` and ``prompt_len`` (the worker needs both for penalties and seeds, and
     a recomputed request resends its prompt plus everything it had generated).
     ``sample`` is False for a prefill chunk that does not reach the end of the known tokens.
+    ``token_ids == [PENDING_TOKEN]`` (only ever alone, with ``start > 0``) feeds back the token
+    the worker sampled for this row in the row's previous step.
     """
 
     request_id: str
@@ -228,6 +235,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     bad_messages_total: int = 0  # frames the scheduler dropped (garbage, wrong type, version)
     workers_lost_total: int = 0
     frontends_lost_total: int = 0
+    steps_in_flight: int = 0  # 2 while overlap keeps the next step queued behind the current
 
 
 class Outputs(Message):

@@ -16,13 +16,18 @@ stale tenant must be gone from the scheduler with none of its row's blocks held 
 slot that is free but not pending must have an empty row, with no tolerance at all.
 
 The pool ledger has no slack, which is why it is the check that finds things.
+
+Overlap adds no slack either. The ledgers advance when a step is planned, so with a step in
+flight they describe the state after it; the worker's rows (reported after the last applied
+step) are brought to the same point by ``project_rows``, which applies the in-flight steps to
+them exactly as the worker will. Every check then runs unchanged.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from protocol.messages import RowSummary
+from protocol.messages import RowSummary, StepInput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
 
@@ -39,6 +44,28 @@ def audit_all(scheduler: Scheduler, rows: list[RowSummary] | None = None) -> Non
     audit_requests(scheduler)
     if rows is not None:
         audit_rows(scheduler, rows)
+
+
+def project_rows(rows: list[RowSummary], steps: list[StepInput]) -> list[RowSummary]:
+    """The rows as they will be after ``steps`` run, in order, under the row contract: released
+    slots empty first, then each item restarts (start 0) or extends its slot's row."""
+    by_slot = {row.slot: row for row in rows}
+    for step in steps:
+        for slot in step.released_slots:
+            by_slot[slot] = RowSummary(slot=slot, request_id=None, block_ids=[], num_cached=0)
+        for item in step.items:
+            row = by_slot.get(item.slot)
+            if item.start == 0 or row is None:
+                blocks, cached = [], 0
+            else:
+                blocks, cached = row.block_ids, row.num_cached
+            by_slot[item.slot] = RowSummary(
+                slot=item.slot,
+                request_id=item.request_id,
+                block_ids=[*blocks, *item.new_blocks],
+                num_cached=cached + len(item.token_ids),
+            )
+    return [by_slot[slot] for slot in sorted(by_slot)]
 
 
 def _known(scheduler: Scheduler) -> list[Request]:

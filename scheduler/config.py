@@ -14,7 +14,8 @@ class SchedulerConfig:
     ``num_blocks`` of None uses the worker's whole pool; a smaller number uses only that many of
     its blocks (ids ``0..num_blocks-1``), so one loaded worker can be driven through several
     pool sizes. ``audit`` runs the invariant checks between every iteration (and asks the worker
-    for its rows).
+    for its rows). ``overlap`` plans step N+1 while the worker computes step N (two steps in
+    flight); False waits for each result before planning the next.
     """
 
     num_slots: int | None = None
@@ -23,6 +24,7 @@ class SchedulerConfig:
     watermark_blocks: int | None = None
     max_model_len: int | None = None
     audit: bool = False
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.num_slots is not None and self.num_slots < 1:

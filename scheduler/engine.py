@@ -2,13 +2,20 @@
 
 ``plan()`` turns one ``schedule()`` into a StepInput and ``apply()`` folds the StepResult back
 in, so the scheduler process can run the same loop with the worker across a socket; ``step()``
-is plan, execute, apply (and the audit) for a worker in this process. One step is in flight at
-a time, which is what makes an abort between plan() and apply() safe: the aborted request's
-blocks return at once, and no schedule can hand them out before the in-flight write is done.
+is plan, execute, apply (and the audit) for a worker in this process.
+
+Overlap (``SchedulerConfig.overlap``): up to two steps are in flight. Step N+1 is planned and
+sent while the worker computes step N; its decode items name their input token
+``PENDING_TOKEN`` and the worker feeds back the token it sampled itself. The worker runs steps
+in order, which is what makes it safe to free blocks while a step is in flight: an aborted or
+finished request's blocks return at once, and a block handed out again is written only by a
+later step. Results are applied oldest first; a sample whose request has finished, been aborted
+or been preempted since its step was planned is surplus and dropped.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Protocol
 
 from protocol.messages import (
@@ -21,11 +28,10 @@ from protocol.messages import (
     StepResult,
     WorkerReady,
 )
-from scheduler.audit import audit_all
+from scheduler.audit import audit_all, project_rows
 from scheduler.block_allocator import BlockAllocator
 from scheduler.config import SchedulerConfig
 from scheduler.errors import LivelockError
-from scheduler.request import RequestStatus
 from scheduler.scheduler import Batch, ScheduledChunk, Scheduler
 
 
@@ -67,7 +73,8 @@ class Engine:
             max_model_len=max_len,
             eos_token_ids=tuple(ready.eos_token_ids),
         )
-        self._in_flight: Batch | None = None
+        self.depth = 2 if config.overlap else 1  # steps in flight at most
+        self._in_flight: deque[tuple[Batch, StepInput]] = deque()  # oldest first
         self._next_step_id = 0
         self._busy_s = 0.0
 
@@ -98,8 +105,8 @@ class Engine:
         )
 
     def worker_lost(self) -> None:
-        """Forget the step in flight and every cache row: running requests recompute later."""
-        self._in_flight = None
+        """Forget the steps in flight and every cache row: running requests recompute later."""
+        self._in_flight.clear()
         self.scheduler.preempt_all()
 
     def has_unfinished(self) -> bool:
@@ -107,14 +114,27 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # -- one iteration --------------------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        """Steps planned whose results have not been applied yet."""
+        return len(self._in_flight)
+
+    @property
+    def in_flight(self) -> list[StepInput]:
+        """The steps in flight, oldest (the next result to apply) first."""
+        return [step for _, step in self._in_flight]
+
+    def can_plan(self) -> bool:
+        """True if another step may be sent now (fewer than ``depth`` in flight)."""
+        return len(self._in_flight) < self.depth
+
     def plan(self) -> StepInput | None:
         """Schedule one iteration; None when there is nothing to send."""
-        if self._in_flight is not None:
-            raise RuntimeError(f"step {self._next_step_id - 1} is still in flight")
+        if not self.can_plan():
+            raise RuntimeError(f"{len(self._in_flight)} steps are already in flight")
         batch = self.scheduler.schedule()
         if not batch.chunks and not batch.released_slots:
             return None
-        self._in_flight = batch
         items = [self._item(chunk) for chunk in batch.chunks]
         step = StepInput(
             step_id=self._next_step_id,
@@ -122,6 +142,7 @@ class Engine:
             released_slots=batch.released_slots,
             audit=self.config.audit,
         )
+        self._in_flight.append((batch, step))
         self._next_step_id += 1
         return step
 
@@ -141,25 +162,22 @@ class Engine:
         )
 
     def apply(self, result: StepResult) -> list[RequestOutput]:
-        """Fold a step's samples into the requests; finish and free the ones that stopped."""
-        batch, self._in_flight = self._in_flight, None
-        if batch is None or result.step_id != self._next_step_id - 1:
-            raise RuntimeError(f"result for step {result.step_id} matches no step in flight")
+        """Fold the oldest step's samples into the requests; finish and free the ones that
+        stopped."""
+        if not self._in_flight or result.step_id != self._in_flight[0][1].step_id:
+            raise RuntimeError(f"result for step {result.step_id} is not the oldest in flight")
+        batch, _ = self._in_flight.popleft()
         self._busy_s += result.forward_s
         samples = {s.request_id: s for s in result.samples}
         outputs = []
         for chunk in batch.chunks:
+            if not chunk.sample or not self.scheduler.is_current(chunk):
+                continue  # a prefill chunk, or surplus: its request ended or was preempted
             request = chunk.request
-            if self.scheduler.get(request.request_id) is not request:
-                continue  # aborted while the step was in flight: its blocks are back already
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            sample = samples.get(request.request_id) if chunk.sample else None
-            if chunk.sample and sample is None:
-                raise RuntimeError(f"step {result.step_id} has no sample for {request.request_id}")
-            reason = self.scheduler.on_computed(chunk, sample.token_id if sample else None)
+            sample = samples.get(request.request_id)
             if sample is None:
-                continue
+                raise RuntimeError(f"step {result.step_id} has no sample for {request.request_id}")
+            reason = self.scheduler.on_sampled(request, sample.token_id)
             if reason is not None:
                 self.scheduler.finish(request, reason)
             outputs.append(self._output(request, sample, reason))
@@ -179,24 +197,38 @@ class Engine:
         )
 
     def step(self) -> list[RequestOutput]:
-        """plan + execute on the in-process worker + apply, then the audit when it is on."""
+        """Plan up to ``depth`` steps ahead, run the oldest on the in-process worker, apply it,
+        then audit when auditing is on. With overlap this is the process loop's order exactly:
+        step N+1 is planned before step N's samples are known."""
         if self.worker is None:
             raise RuntimeError("this engine has no in-process worker: use plan() and apply()")
-        step = self.plan()
-        if step is None:
+        while self.can_plan() and self.plan() is not None:
+            pass
+        if not self._in_flight:
             if self.has_unfinished():
                 raise LivelockError(self.describe_stall())
             return []
-        result = self.worker.execute(step)
+        result = self.worker.execute(self._in_flight[0][1])
         outputs = self.apply(result)
         if self.config.audit:
             self.audit(result.rows if result.rows is not None else self.worker.rows())
         return outputs
 
+    def drain(self) -> list[RequestOutput]:
+        """Run and apply every step still in flight on the in-process worker, planning nothing
+        new; their samples are surplus unless a request is still running."""
+        outputs = []
+        while self._in_flight:
+            result = self.worker.execute(self._in_flight[0][1])
+            outputs += self.apply(result)
+        return outputs
+
     def audit(self, rows: list[RowSummary] | None = None) -> None:
-        """Check every invariant (InvariantViolation); only between iterations."""
-        if self._in_flight is not None:
-            raise RuntimeError("audit only between iterations, not with a step in flight")
+        """Check every invariant (InvariantViolation), between iterations. ``rows`` are the
+        worker's rows after the last applied step; with a step still in flight they are audited
+        as they will be once it has run (``project_rows``), the state the ledgers already show."""
+        if rows is not None and self._in_flight:
+            rows = project_rows(rows, [step for _, step in self._in_flight])
         audit_all(self.scheduler, rows)
 
     def describe_stall(self) -> str:
@@ -226,7 +258,7 @@ class Engine:
         for request_id, prompt, p in zip(ids, prompts, per, strict=True):
             self.add_request(request_id, prompt, p)
         collected: dict[str, list[RequestOutput]] = {i: [] for i in ids}
-        while self.has_unfinished():
+        while self.has_unfinished() or self._in_flight:  # surplus steps drain too
             for out in self.step():
                 collected[out.request_id].append(out)
         return [_merge(rid, collected[rid]) for rid in ids]

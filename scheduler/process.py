@@ -6,7 +6,9 @@ that lands mid-step is applied to the ledgers at once; the step's sample for tha
 then ignored when the result arrives, so no block leaks and no token reaches a dead request.
 
 Life of one iteration: plan() -> send StepInput -> (adds, aborts, heartbeats) -> StepResult ->
-apply() -> audit (with --audit) -> Outputs to each frontend -> plan() again.
+apply() -> audit (with --audit) -> Outputs to each frontend -> plan() again. With overlap (the
+default) two steps are in flight: step N+1 is planned and sent as soon as step N is, so the
+worker finds its next step queued the moment it finishes one.
 
 Faults: a socket monitor on each ROUTER reports a peer's disconnection at once (the file
 descriptor a message arrived on says which peer it was), and silence longer than
@@ -42,7 +44,6 @@ from protocol.messages import (
     SamplingParams,
     SchedulerHello,
     SchedulerInfo,
-    StepInput,
     StepResult,
     WorkerReady,
     WorkerToScheduler,
@@ -58,7 +59,7 @@ class _Worker:
     peer: bytes
     ready: WorkerReady
     last_seen: float
-    in_flight: StepInput | None = None
+    in_flight: list[int] = field(default_factory=list)  # step ids sent, oldest first
     busy_s: float = 0.0
     fd: int | None = None  # the connection its messages arrive on, to match monitor events
 
@@ -108,6 +109,7 @@ class SchedulerProcess:
         self.stopping = False
         self._hellos: dict[bytes, float] = {}  # unknown worker peer -> when we last greeted it
         self._last_heartbeat = 0.0
+        self._nothing_to_plan = False  # the last plan() found nothing: wait for an event
 
     def _bind(self, address: str) -> zmq.Socket:
         socket = self.context.socket(zmq.ROUTER)
@@ -126,8 +128,9 @@ class SchedulerProcess:
         for monitor in self.monitors:
             poller.register(monitor, zmq.POLLIN)
         while not self.stopping:
-            idle = self.worker is None or self.worker.in_flight is not None or not self._has_work()
-            events = dict(poller.poll(int(self.heartbeat_s * 1000) if idle else 0))
+            events = dict(poller.poll(0 if self._can_step() else int(self.heartbeat_s * 1000)))
+            if events:
+                self._nothing_to_plan = False  # an arrival, abort or result may change the plan
             if self.frontends.socket in events:
                 self._drain(self.frontends, self._on_frontend)
             if self.workers.socket in events:
@@ -199,21 +202,27 @@ class SchedulerProcess:
             self._fail_all(self.no_worker_reason)
             self._tell_frontends()
 
-    def _has_work(self) -> bool:
-        return self.engine is not None and self.engine.has_unfinished()
+    def _can_step(self) -> bool:
+        """True if a step could be planned and sent right now."""
+        return (
+            self.worker is not None
+            and self.engine is not None
+            and self.engine.can_plan()
+            and self.engine.has_unfinished()
+            and not self._nothing_to_plan
+        )
 
     def _maybe_step(self) -> None:
-        """Send the next step if the worker is free and there is anything to do."""
-        worker = self.worker
-        if worker is None or worker.in_flight is not None or not self._has_work():
-            return
-        started = time.perf_counter()
-        step = self.engine.plan()
-        self.counters.scheduler_s += time.perf_counter() - started
-        if step is None:
-            return
-        worker.in_flight = step
-        self.workers.send(step, worker.peer)
+        """Send steps while fewer than the engine's depth are in flight and there is work."""
+        while self._can_step():
+            started = time.perf_counter()
+            step = self.engine.plan()
+            self.counters.scheduler_s += time.perf_counter() - started
+            if step is None:
+                self._nothing_to_plan = True
+                return
+            self.worker.in_flight.append(step.step_id)
+            self.workers.send(step, self.worker.peer)
 
     # -- frontends ---------------------------------------------------------------------------
 
@@ -222,7 +231,7 @@ class SchedulerProcess:
         self.counters.frontends[peer] = time.monotonic()
         if fd is not None:
             self.counters.frontend_fds[peer] = fd
-        if self.worker is not None and self.worker.in_flight is not None:
+        if self.worker is not None and self.worker.in_flight:
             self.counters.messages_during_step += 1
         match message:
             case AddRequest():
@@ -386,18 +395,19 @@ class SchedulerProcess:
 
     def _step_done(self, peer: bytes, result: StepResult) -> None:
         worker = self.worker
-        if worker is None or peer != worker.peer or worker.in_flight is None:
+        if worker is None or peer != worker.peer or not worker.in_flight:
             return
-        if result.step_id != worker.in_flight.step_id:
+        if result.step_id != worker.in_flight[0]:
             log.warning("stale result for step %d dropped", result.step_id)
             return
-        worker.in_flight = None
+        worker.in_flight.pop(0)
         worker.busy_s += result.forward_s
         self.counters.steps += 1
         started = time.perf_counter()
         if result.error is not None:
             log.error("worker refused step %d: %s; recomputing", result.step_id, result.error)
             self.engine.worker_lost()
+            worker.in_flight.clear()  # their results are stale now: dropped when they come
             return
         outputs = self.engine.apply(result)
         if self.config.audit:
@@ -441,7 +451,8 @@ class SchedulerProcess:
             num_steps_total=self.counters.steps,
             worker_ready=self.worker is not None,
             worker_busy_s_total=self.worker.busy_s if self.worker else 0.0,
-            step_in_flight=self.worker is not None and self.worker.in_flight is not None,
+            step_in_flight=self.worker is not None and bool(self.worker.in_flight),
+            steps_in_flight=len(self.worker.in_flight) if self.worker is not None else 0,
             messages_during_step_total=self.counters.messages_during_step,
             scheduler_busy_s_total=self.counters.scheduler_s,
             bad_messages_total=self.counters.bad_messages,

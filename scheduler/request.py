@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from protocol.messages import SamplingParams
+from protocol.messages import PENDING_TOKEN, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -24,9 +24,15 @@ class RequestStatus(enum.Enum):
 class Request:
     """One request's tokens and holdings.
 
-    ``num_computed`` is how many of its tokens have K/V in its cache row (as of the last applied
-    step). Between iterations a decoding request holds one token more than it has computed: the
-    last sampled token, which the next step feeds back in.
+    ``num_computed`` is how many of its tokens have K/V in its cache row once every step sent so
+    far has run: it advances when a chunk is scheduled, not when its result comes back. Between
+    iterations a decoding request holds one token more than it has computed: the last sampled
+    token, which the next step feeds back in.
+
+    ``num_pending`` counts tokens sampled by steps still in flight: they are part of
+    ``num_tokens`` but not yet of ``output_token_ids`` (the worker knows them, the scheduler
+    does not yet). ``epoch`` changes at every preemption, so a result of a step planned before
+    the preemption is recognised as stale and dropped.
     """
 
     request_id: str
@@ -43,6 +49,8 @@ class Request:
     num_preemptions: int = 0
     admission_blocks: int = 0  # blocks bought by the latest admission (thrash window)
     high_water: int = 0  # most tokens ever computed: recomputation below this is a re-buy
+    num_pending: int = 0
+    epoch: int = 0
     finish_reason: str | None = None
 
     @property
@@ -52,15 +60,27 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus everything generated so far."""
+        """Prompt plus everything generated so far, the pending tokens included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt plus the generated tokens the scheduler has seen."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def num_generated(self) -> int:
+        """Generated tokens, the pending ones included."""
+        return len(self.output_token_ids) + self.num_pending
+
     def token_slice(self, start: int, stop: int) -> list[int]:
-        """Tokens at positions ``[start, stop)`` of prompt + output."""
+        """Tokens at positions ``[start, stop)`` of prompt + output; a pending token reads
+        ``PENDING_TOKEN``."""
         prompt = self.prompt_token_ids
         if stop <= len(prompt):
             return prompt[start:stop]
-        return (prompt + self.output_token_ids)[start:stop]
+        known = (prompt + self.output_token_ids)[start:stop]
+        return known + [PENDING_TOKEN] * (stop - start - len(known))
 
     @property
     def is_prefilling(self) -> bool:

@@ -12,6 +12,12 @@ One iteration (``schedule()``) runs in labelled phases, top to bottom:
 
 Running requests arrived before every waiting one, so the queue stays in arrival order even
 though preemption pushes to its head (the auditor checks both claims every iteration).
+
+Overlap: scheduling a chunk advances the request at once (``num_computed``, and a pending token
+when it samples), so the next ``schedule()`` may run before the step's result is back. A request
+whose pending tokens already reach ``max_tokens`` or ``max_model_len`` is not grown: its finish
+is certain. One that stops on EOS or a stop token is known only when its sample arrives; it has
+meanwhile run one surplus step, whose token is dropped (``on_sampled`` is never called for it).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class ScheduledChunk:
     num_tokens: int
     sample: bool
     new_blocks: list[int]  # appended to the worker's row (the whole table when start == 0)
+    epoch: int = 0  # the request's epoch when scheduled: a preemption since makes it stale
 
 
 @dataclass
@@ -180,6 +187,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted a moment ago to make room for an older request
+            if self._finish_is_certain(request):
+                continue  # its in-flight sample ends it by length: no surplus step
             n = min(request.num_tokens - request.num_computed, budget)
             if self._reserve_blocks(request, request.num_computed + n, preempted):
                 chunks.append(self._chunk(request, n))
@@ -208,17 +217,20 @@ class Scheduler:
         self.running.remove(victim)
         self._give_back(victim)
         victim.status = RequestStatus.WAITING
+        victim.num_pending = 0  # sampled in a step still in flight: recomputed, not awaited
+        victim.epoch += 1
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(victim)
 
     def preempt_all(self) -> None:
         """The worker's rows are gone (it died, or refused a step): every running request goes
-        back to waiting with its tokens, oldest at the head. The new rows start empty, so no
-        release is pending any more."""
+        back to waiting with its tokens, oldest at the head. Every slot is released with the
+        next step: a refused step may be followed by one already in flight that the worker
+        accepts, so no row can be assumed empty."""
         while self.running:
             self._preempt(self.running[-1])
-        self._pending_releases.clear()
+        self._pending_releases = list(range(self.num_slots))
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
         while self.waiting and self._free_slots and budget > 0:
@@ -239,21 +251,39 @@ class Scheduler:
             budget -= n
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
+        """Schedule ``n`` tokens of ``request`` and account for them as computed (see Overlap)."""
         start = request.num_computed
         new_blocks = request.block_ids[request.blocks_sent :]
         request.blocks_sent = len(request.block_ids)
         self.tokens_scheduled += n
         self.tokens_recomputed += max(0, min(start + n, request.high_water) - start)
-        return ScheduledChunk(request, start, n, start + n == request.num_tokens, new_blocks)
+        sample = start + n == request.num_tokens
+        request.num_computed = start + n
+        request.high_water = max(request.high_water, request.num_computed)
+        if sample:
+            request.num_pending += 1
+        return ScheduledChunk(request, start, n, sample, new_blocks, request.epoch)
+
+    def _finish_is_certain(self, request: Request) -> bool:
+        """True when a pending token will end ``request`` by length whatever it is."""
+        return request.num_pending > 0 and (
+            request.num_generated >= request.params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        )
 
     # -- results ----------------------------------------------------------------------------------
-    def on_computed(self, chunk: ScheduledChunk, token_id: int | None) -> str | None:
-        """Record a chunk's K/V and its sampled token; return a finish reason, or None."""
+    def is_current(self, chunk: ScheduledChunk) -> bool:
+        """True if ``chunk``'s request still runs as it was when the chunk was scheduled (not
+        finished, aborted or preempted since): only then does its sample count."""
         request = chunk.request
-        request.num_computed = chunk.start + chunk.num_tokens
-        request.high_water = max(request.high_water, request.num_computed)
-        if token_id is None:
-            return None
+        return self._requests.get(request.request_id) is request and request.epoch == chunk.epoch
+
+    def on_sampled(self, request: Request, token_id: int) -> str | None:
+        """Turn the oldest pending token of a running request into ``token_id``; return a
+        finish reason, or None."""
+        if request.num_pending < 1:
+            raise RuntimeError(f"request {request.request_id} has no pending token")
+        request.num_pending -= 1
         request.output_token_ids.append(token_id)
         return self._stop_reason(request, token_id)
 
@@ -265,7 +295,7 @@ class Scheduler:
                 return "stop"
             if token_id in self.eos_token_ids and not params.ignore_eos:
                 return "stop"
-        if generated >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if generated >= params.max_tokens or request.num_known_tokens >= self.max_model_len:
             return "length"
         return None
 

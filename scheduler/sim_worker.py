@@ -15,6 +15,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from protocol.messages import (
+    PENDING_TOKEN,
     PROTOCOL_VERSION,
     RowSummary,
     Sample,
@@ -33,6 +34,7 @@ class _Row:
     num_cached: int = 0
     params: SamplingParams | None = None
     prompt_len: int = 0
+    last_sampled: int | None = None  # fed back where a step names PENDING_TOKEN
 
 
 class SimWorker:
@@ -102,15 +104,23 @@ class SimWorker:
                 f"slot {item.slot}: item for {item.request_id} at start {item.start}, but the row "
                 f"holds {row.request_id} with {row.num_cached} tokens cached"
             )
+        tokens = list(item.token_ids)
+        if PENDING_TOKEN in tokens:
+            if tokens != [PENDING_TOKEN] or item.start == 0 or row.last_sampled is None:
+                raise ValueError(f"slot {item.slot}: a pending token with nothing sampled")
+            tokens = [row.last_sampled]
+        row.last_sampled = None
         row.block_ids += item.new_blocks
         size = len(self._kv[0])
-        for offset, token in enumerate(item.token_ids):
+        for offset, token in enumerate(tokens):
             pos = item.start + offset
             if pos // size >= len(row.block_ids):
                 raise ValueError(f"slot {item.slot}: position {pos} is past the row's blocks")
             self._kv[row.block_ids[pos // size]][pos % size] = token
-        row.num_cached += len(item.token_ids)
-        return self._next_token(row) if item.sample else None
+        row.num_cached += len(tokens)
+        if item.sample:
+            row.last_sampled = self._next_token(row)
+        return row.last_sampled
 
     def _next_token(self, row: _Row) -> int:
         size = len(self._kv[0])

@@ -106,7 +106,8 @@ def soak(
             outputs = engine.step()
         except InvariantViolation as exc:
             raise InvariantViolation(f"at iteration {iteration}: {exc}") from exc
-        if not outputs and before == (sched.num_preemptions_total, sched.tokens_scheduled):
+        stalled = before == (sched.num_preemptions_total, sched.tokens_scheduled)
+        if not outputs and stalled and not engine.num_in_flight:
             if engine.has_unfinished():
                 raise LivelockError(f"at iteration {iteration}: {engine.describe_stall()}")
     _check_everything_back(engine, worker, iteration)
@@ -123,7 +124,9 @@ def soak(
 
 
 def _check_everything_back(engine: Engine, worker: WorkerLike, iteration: int) -> None:
-    # One last (empty) step delivers the releases decided by the final apply.
+    # Surplus steps (overlap) run, then one last (empty) step delivers the releases decided by
+    # the final apply.
+    engine.drain()
     step = engine.plan()
     if step is not None:
         engine.apply(worker.execute(step))

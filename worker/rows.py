@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from protocol.messages import RowSummary, SamplingParams, StepInput, StepItem
+from protocol.messages import PENDING_TOKEN, RowSummary, SamplingParams, StepInput, StepItem
 
 
 @dataclass
@@ -24,6 +24,7 @@ class Row:
     prompt_len: int = 0
     history: list[int] = field(default_factory=list)  # every token fed into the row
     seed: int = 0
+    last_sampled: int | None = None  # the token a PENDING_TOKEN item feeds back
 
     @property
     def output_tokens(self) -> list[int]:
@@ -82,8 +83,13 @@ class RowTable:
                 f"{where}: positions up to {end} exceed {blocks} blocks of {self.block_size} "
                 f"or max_model_len {self.max_model_len}"
             )
+        if PENDING_TOKEN in item.token_ids:
+            if list(item.token_ids) != [PENDING_TOKEN] or item.start == 0:
+                raise ValueError(f"{where}: a pending token must be an item's only token")
+            if row.last_sampled is None:
+                raise ValueError(f"{where}: a pending token, but the row's last step sampled none")
         bad = [b for b in item.new_blocks if not 0 <= b < self.num_blocks]
-        bad_tokens = [t for t in item.token_ids if not 0 <= t < vocab_size]
+        bad_tokens = [t for t in item.token_ids if not 0 <= t < vocab_size and t != PENDING_TOKEN]
         if bad or bad_tokens:
             raise ValueError(f"{where}: block ids {bad} or token ids {bad_tokens} out of range")
 
@@ -92,18 +98,23 @@ class RowTable:
         for slot in slots:
             self.rows[slot] = Row()
 
-    def apply(self, item: StepItem) -> Row:
-        """Update a checked item's row for the tokens about to be computed; return the row."""
+    def apply(self, item: StepItem) -> tuple[Row, list[int]]:
+        """Update a checked item's row for the tokens about to be computed; return the row and
+        those tokens, a pending token replaced by the row's last sample."""
         row = self.rows[item.slot]
         if item.start == 0:
             params = item.params or SamplingParams()
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
             row = Row(item.request_id, [], 0, params, item.prompt_len, [], seed)
             self.rows[item.slot] = row
+        tokens = list(item.token_ids)
+        if tokens == [PENDING_TOKEN]:
+            tokens = [row.last_sampled]
+        row.last_sampled = None  # set again only if this item samples
         row.block_table.extend(item.new_blocks)
-        row.num_cached += len(item.token_ids)
-        row.history.extend(item.token_ids)
-        return row
+        row.num_cached += len(tokens)
+        row.history.extend(tokens)
+        return row, tokens
 
     def summaries(self) -> list[RowSummary]:
         """Every row (empty ones included), as the audit reports it."""

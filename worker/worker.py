@@ -103,11 +103,14 @@ class Worker:
         began = time.perf_counter()
         self.row_table.check(step, self.spec.vocab_size)
         self.row_table.release(step.released_slots)
-        rows = [self.row_table.apply(item) for item in step.items]
+        applied = [self.row_table.apply(item) for item in step.items]
+        rows = [row for row, _ in applied]
         self.cache.zero_blocks([b for item in step.items for b in item.new_blocks])
-        logits = self._forward(step, rows)
+        logits = self._forward(step, applied)
         sampled = [(item, row) for item, row in zip(step.items, rows, strict=True) if item.sample]
         draws = self.sampler.sample(logits, [row for _, row in sampled]) if sampled else []
+        for (_, row), draw in zip(sampled, draws, strict=True):
+            row.last_sampled = draw.token_id  # stays here: the next step may feed it back
         samples = [
             Sample(
                 request_id=item.request_id,
@@ -126,17 +129,18 @@ class Worker:
         )
         return result, logits
 
-    def _forward(self, step: StepInput, rows) -> torch.Tensor:
-        """One flattened forward over every item -> logits (S, vocab) of the sampled items."""
+    def _forward(self, step: StepInput, applied) -> torch.Tensor:
+        """One flattened forward over every item -> logits (S, vocab) of the sampled items.
+        ``applied`` is each item's (row, tokens) from ``RowTable.apply``."""
         if not step.items:
             return torch.zeros(0, self.spec.vocab_size)
         ids, positions, last, spans = [], [], [], []
-        for item, row in zip(step.items, rows, strict=True):
-            ids.extend(item.token_ids)
-            positions.extend(range(item.start, item.start + len(item.token_ids)))
+        for item, (row, tokens) in zip(step.items, applied, strict=True):
+            ids.extend(tokens)
+            positions.extend(range(item.start, item.start + len(tokens)))
             if item.sample:
                 last.append(len(ids) - 1)
-            spans.append((row.block_table, item.start, len(item.token_ids)))
+            spans.append((row.block_table, item.start, len(tokens)))
         meta = AttentionMetadata.build(
             spans,
             block_size=self.config.block_size,

@@ -38,7 +38,8 @@ def _steady_scheduler(num_requests: int, num_blocks: int, block_size: int, promp
 
 def _apply(sched, batch) -> None:
     for chunk in batch.chunks:
-        sched.on_computed(chunk, 11 if chunk.sample else None)
+        if chunk.sample:
+            sched.on_sampled(chunk.request, 11)
 
 
 def time_schedule(num_requests: int, repeats: int) -> float:

@@ -26,6 +26,9 @@ def add_worker_flags(
     p.add_argument("--num-slots", type=int, default=num_slots)
     p.add_argument("--token-budget", type=int, default=token_budget)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--disable-overlap", action="store_true", help="apply each step before planning the next"
+    )
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -126,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    engine = Engine.for_worker(make_worker(args), SchedulerConfig(token_budget=args.token_budget))
+    config = SchedulerConfig(token_budget=args.token_budget, overlap=not args.disable_overlap)
+    engine = Engine.for_worker(make_worker(args), config)
     for out in engine.generate(prompts, params):
         ids = out.new_token_ids
         text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else None

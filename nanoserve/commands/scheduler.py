@@ -38,6 +38,13 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
         help="check every ledger invariant between iterations",
     )
     group.add_argument(
+        "--disable-overlap",
+        action="store_true",
+        default=env("disable_overlap", False, bool),
+        help="wait for each step's result before planning the next (default: plan step N+1 "
+        "while the worker computes step N)",
+    )
+    group.add_argument(
         "--worker-timeout",
         type=float,
         default=env("worker_timeout", 60.0, float),
@@ -54,7 +61,10 @@ def run(args: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s"
     )
     config = SchedulerConfig(
-        token_budget=args.token_budget, watermark_blocks=args.watermark_blocks, audit=args.audit
+        token_budget=args.token_budget,
+        watermark_blocks=args.watermark_blocks,
+        audit=args.audit,
+        overlap=not args.disable_overlap,
     )
     if args.worker_timeout <= 0:
         raise ValueError(f"--worker-timeout must be > 0, got {args.worker_timeout}")

@@ -1,5 +1,6 @@
 """The scheduler keeps planning while the worker computes: with every step slowed to 1.5 s,
-adds and aborts are taken in, and take effect, while a step is in flight. One slot, so the
+the next step is already queued behind the one computing (overlap), and adds and aborts are
+taken in, and take effect, while a step is in flight. One slot, so the
 added request must wait for the victim's slot: every snapshot below is one atomic EngineStats
 from the scheduler, sent from its loop while the worker is still busy."""
 
@@ -11,6 +12,7 @@ import time
 import aiohttp
 import pytest
 
+from tests.e2e.conftest import generate_offline
 from tests.servers import start_server
 
 pytestmark = pytest.mark.slow
@@ -87,3 +89,18 @@ async def test_adds_and_aborts_are_taken_in_during_a_step(slow_server):
     assert idle["nanoserve:kv_cache_blocks_used"] == 0
     assert idle["nanoserve:num_requests_waiting"] == 0
     server.check_alive()
+
+
+async def test_the_next_step_is_queued_while_one_computes(slow_server, tmp_path):
+    """Overlap across real processes: two steps in flight, and the tokens still come in order
+    and equal a request run on its own."""
+    body = {"model": MODEL, "prompt": "The sea is", "max_tokens": 4, "temperature": 0}
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(session.post(slow_server.url + "/v1/completions", json=body))
+        both = await _snapshot_where(slow_server, lambda m: m["nanoserve:steps_in_flight"] == 2)
+        assert both["nanoserve:step_in_flight"] == 1
+        response = await asyncio.wait_for(task, timeout=60)
+        text = (await response.json())["choices"][0]["text"]
+    flags = ("--max-tokens", "4", "--temperature", "0", "--disable-overlap")
+    (offline,) = generate_offline(tmp_path, [{"prompt": "The sea is"}], *flags)
+    assert text and text == offline["text"]

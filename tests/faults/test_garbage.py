@@ -18,6 +18,7 @@ import zmq
 
 from protocol.addresses import default_addresses
 from protocol.messages import (
+    PROTOCOL_VERSION,
     AddRequest,
     FrontendHello,
     Heartbeat,
@@ -181,7 +182,7 @@ def test_garbage_to_the_frontend_is_counted_and_it_keeps_serving(tmp_path):
             raise AssertionError(f"the frontend never said hello\n{frontend.logs()}")
         peer = router.recv_multipart()[0]
         info = SchedulerInfo(
-            protocol_version=1,
+            protocol_version=PROTOCOL_VERSION,
             worker_ready=True,
             model_id="m",
             max_model_len=64,
@@ -201,7 +202,7 @@ def test_garbage_to_the_frontend_is_counted_and_it_keeps_serving(tmp_path):
         counted = frontend.metrics()["nanoserve:bad_messages_total"]
         assert counted == len(garbage) - 1  # another version decodes, and is refused instead
         assert (
-            "scheduler protocol 99 != frontend protocol 1"
+            f"scheduler protocol 99 != frontend protocol {PROTOCOL_VERSION}"
             in (tmp_path / "frontend.log").read_text()
         )
         frontend.check_alive()

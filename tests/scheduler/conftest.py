@@ -24,13 +24,20 @@ def make_engine(
     eos_token_ids: tuple[int, ...] = (),
     allocator: BlockAllocator | None = None,
     max_model_len: int = 4096,
+    overlap: bool = True,
+    vocab_size: int = 1000,
 ) -> Engine:
     """An audited engine on a fresh SimWorker."""
     worker = SimWorker(
-        num_blocks, block_size, num_slots, max_model_len=max_model_len, eos_token_ids=eos_token_ids
+        num_blocks,
+        block_size,
+        num_slots,
+        max_model_len=max_model_len,
+        eos_token_ids=eos_token_ids,
+        vocab_size=vocab_size,
     )
     config = SchedulerConfig(
-        token_budget=token_budget, watermark_blocks=watermark_blocks, audit=audit
+        token_budget=token_budget, watermark_blocks=watermark_blocks, audit=audit, overlap=overlap
     )
     return Engine.for_worker(worker, config, allocator=allocator)
 
@@ -51,7 +58,8 @@ def run_to_end(engine: Engine, max_steps: int = 10_000) -> int:
 
 def assert_all_back(engine: Engine) -> None:
     """Every block free, every slot free, every worker row empty (after the releases land)."""
-    step = engine.plan()
+    engine.drain()
+    step = engine.plan()  # the releases still pending
     if step is not None:
         engine.apply(engine.worker.execute(step))
     sched = engine.scheduler

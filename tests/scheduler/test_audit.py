@@ -24,7 +24,7 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 @pytest.fixture
 def eng() -> Engine:
     """Three running (slots 0..2), two waiting, settled between iterations; audit is clean."""
-    engine = make_engine(num_blocks=32, num_slots=3)
+    engine = make_engine(num_blocks=32, num_slots=3, overlap=False)
     for i, p in enumerate(prompts(5, length=6)):
         engine.add_request(f"r{i}", p, PARAMS)
     for _ in range(3):

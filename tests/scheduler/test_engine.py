@@ -19,7 +19,7 @@ def test_generate_returns_every_token_in_prompt_order() -> None:
 
 
 def test_plan_sends_params_on_a_row_start_and_deltas_after() -> None:
-    engine = make_engine(num_blocks=16, num_slots=1)
+    engine = make_engine(num_blocks=16, num_slots=1, overlap=False)
     engine.add_request("r", [1, 2, 3, 4, 5], GREEDY)
     first = engine.plan()
     (item,) = first.items
@@ -34,7 +34,7 @@ def test_apply_rejects_a_result_for_another_step() -> None:
     engine = make_engine()
     engine.add_request("r", [1, 2], GREEDY)
     step = engine.plan()
-    with pytest.raises(RuntimeError, match="matches no step in flight"):
+    with pytest.raises(RuntimeError, match="is not the oldest in flight"):
         engine.apply(StepResult(step_id=step.step_id + 1, samples=[]))
 
 
@@ -98,7 +98,7 @@ def test_abort_preempted_request() -> None:
 
 @pytest.mark.parametrize("which", ["a", "b"])
 def test_abort_between_plan_and_apply(which: str) -> None:
-    engine = make_engine(num_blocks=16, num_slots=2)
+    engine = make_engine(num_blocks=16, num_slots=2, overlap=False)
     engine.add_request("a", [1, 2, 3, 4, 5], GREEDY)
     engine.add_request("b", [6, 7, 8], GREEDY)
     engine.step()
@@ -113,7 +113,7 @@ def test_abort_between_plan_and_apply(which: str) -> None:
 
 
 def test_abort_of_a_request_admitted_in_the_step_in_flight() -> None:
-    engine = make_engine(num_blocks=16, num_slots=2)
+    engine = make_engine(num_blocks=16, num_slots=2, overlap=False)
     engine.add_request("a", [1, 2, 3, 4, 5], GREEDY)
     step = engine.plan()
     result = engine.worker.execute(step)
@@ -133,7 +133,7 @@ def test_step_raises_on_a_stall_instead_of_spinning() -> None:
 
 
 def test_stats_count_steps_blocks_and_preemptions() -> None:
-    engine = make_engine(num_blocks=5, num_slots=3)
+    engine = make_engine(num_blocks=5, num_slots=3, overlap=False)
     for i, p in enumerate(prompts(4)):
         engine.add_request(f"r{i}", p, GREEDY)
     engine.step()

@@ -1,5 +1,6 @@
 """With the real default model: greedy text is the same whatever the pool size (roomy to
-thrashing hard) and the same as each request run alone. One worker serves every pool size."""
+thrashing hard), with overlap or without, and the same as each request run alone. One worker
+serves every pool size."""
 
 from __future__ import annotations
 
@@ -36,8 +37,11 @@ def prompts() -> list[list[int]]:
     return [tokenizer(t)["input_ids"] for t in TEXTS]
 
 
-def _run(worker, prompts, num_blocks: int, num_slots: int, budget: int) -> tuple[list, int]:
+def _run(
+    worker, prompts, num_blocks: int, num_slots: int, budget: int, overlap: bool = True
+) -> tuple[list, int]:
     config = SchedulerConfig(
+        overlap=overlap,
         num_blocks=num_blocks,
         num_slots=num_slots,
         token_budget=budget,
@@ -61,5 +65,8 @@ def test_greedy_text_is_independent_of_pool_size_and_batching(worker, prompts) -
     thrash, evicted = _run(worker, prompts, num_blocks=thrash_blocks, num_slots=3, budget=5)
     assert evicted > 0, "the small pool was meant to preempt"
     assert thrash == roomy
-    alone = [_run(worker, [p], num_blocks=48, num_slots=1, budget=256)[0][0] for p in prompts]
+    alone = [
+        _run(worker, [p], num_blocks=48, num_slots=1, budget=256, overlap=False)[0][0]
+        for p in prompts
+    ]
     assert alone == roomy

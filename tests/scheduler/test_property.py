@@ -1,9 +1,11 @@
 """Property: random workloads, pools, budgets, watermarks and aborts, audited every iteration,
-always terminate with every block and slot back."""
+always terminate with every block and slot back, with and without overlap; and overlap never
+changes a request's tokens."""
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+import pytest
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from protocol.messages import SamplingParams
@@ -19,8 +21,9 @@ request_strategy = st.tuples(
 )
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @settings(
-    max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
 @given(
     num_blocks=st.integers(1, 24),
@@ -31,6 +34,7 @@ request_strategy = st.tuples(
     requests=st.lists(request_strategy, min_size=1, max_size=12),
 )
 def test_random_workloads_terminate_with_everything_back(
+    overlap: bool,
     num_blocks: int,
     block_size: int,
     num_slots: int,
@@ -45,6 +49,7 @@ def test_random_workloads_terminate_with_everything_back(
         token_budget=token_budget,
         watermark_blocks=min(watermark, num_blocks),
         eos_token_ids=(3, 5, 7),
+        overlap=overlap,
     )
     pending = sorted(enumerate(requests), key=lambda r: r[1][2])
     for iteration in range(5000):
@@ -56,8 +61,10 @@ def test_random_workloads_terminate_with_everything_back(
             except RequestRejected:
                 need = -(-(min(length + max_tokens, 4096) - 1) // block_size)
                 assert need > num_blocks
-        step = engine.plan()
-        result = engine.worker.execute(step) if step is not None else None
+        while engine.can_plan() and engine.plan() is not None:
+            pass  # with overlap, step N+1 is planned before step N's result is applied
+        in_flight = engine.in_flight
+        result = engine.worker.execute(in_flight[0]) if in_flight else None
         for i, (_, _, _, abort_at, mid_step) in enumerate(requests):
             if abort_at == iteration and mid_step:
                 engine.abort(f"r{i}")
@@ -69,7 +76,45 @@ def test_random_workloads_terminate_with_everything_back(
         engine.audit(engine.worker.rows())
         if not pending and not engine.has_unfinished():
             break
-        assert step is not None or not engine.has_unfinished(), "stalled with work queued"
+        assert in_flight or not engine.has_unfinished(), "stalled with work queued"
     else:
         raise AssertionError("did not terminate in 5000 iterations")
     assert_all_back(engine)
+
+
+@settings(
+    max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+    num_blocks=st.integers(3, 24),
+    num_slots=st.integers(1, 6),
+    token_budget=st.integers(1, 32),
+    requests=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 12)), min_size=1, max_size=8),
+)
+def test_overlap_never_changes_the_tokens(
+    num_blocks: int, num_slots: int, token_budget: int, requests: list[tuple[int, int]]
+) -> None:
+    """EOS and stop-token finishes (known one step late under overlap), length finishes and
+    preemptions by recompute: the tokens each request gets are the same either way."""
+    prompts = [[(i * 31 + j) % 1000 for j in range(n)] for i, (n, _) in enumerate(requests)]
+    params = [
+        SamplingParams(max_tokens=m, stop_token_ids=[11, 13], min_tokens=i % 3)
+        for i, (_, m) in enumerate(requests)
+    ]
+    texts = []
+    for overlap in (False, True):
+        engine = make_engine(
+            num_blocks=max(num_blocks, 6),
+            block_size=4,
+            num_slots=num_slots,
+            token_budget=token_budget,
+            eos_token_ids=(3, 5, 7),
+            overlap=overlap,
+            vocab_size=20,  # a token in four stops a request: stop finishes are common
+        )
+        outs = engine.generate(prompts, params)
+        texts.append([(o.new_token_ids, o.finish_reason) for o in outs])
+        assert_all_back(engine)
+    assert texts[0] == texts[1]
+    reasons = [reason for _, reason in texts[1]]
+    event(f"stop finishes: {reasons.count('stop') > 0}")

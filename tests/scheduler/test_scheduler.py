@@ -84,7 +84,7 @@ def test_chunked_prefill_splits_a_long_prompt_over_iterations() -> None:
 
 
 def test_chunked_prefill_shares_the_budget_with_decodes() -> None:
-    engine = make_engine(num_blocks=64, num_slots=3, token_budget=6)
+    engine = make_engine(num_blocks=64, num_slots=3, token_budget=6, overlap=False)
     engine.add_request("a", [1, 2, 3], GREEDY)
     engine.step()  # a prefilled (3 tokens)
     engine.add_request("b", list(range(10, 30)), GREEDY)

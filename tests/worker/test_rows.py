@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_worker
 
-from protocol.messages import SamplingParams, StepInput, StepItem
+from protocol.messages import PENDING_TOKEN, SamplingParams, StepInput, StepItem
 
 P = SamplingParams(temperature=0.0)
 
@@ -61,6 +61,8 @@ def test_rows_follow_the_steps(worker):
         (item(tokens=[999]), "out of range"),
         (item(tokens=[]), "no token_ids"),
         (item(params=None), "needs params"),
+        (item(tokens=[PENDING_TOKEN]), "only token"),  # a fresh row has nothing to feed back
+        (item(start=3, tokens=[PENDING_TOKEN, 4]), "only token"),
     ],
 )
 def test_violations_raise_and_change_nothing(worker, bad, message):
@@ -88,3 +90,23 @@ def test_reset_empties_every_row(worker):
     assert all((r.request_id, r.block_ids, r.num_cached) == (None, [], 0) for r in worker.rows())
     with pytest.raises(ValueError, match="does not continue"):
         worker.execute(step(item(start=3, tokens=[4])))
+
+
+def test_a_pending_token_feeds_back_the_rows_last_sample(worker, tiny_dir):
+    first = worker.execute(step(item(), step_id=0)).samples[0].token_id
+    pending = item(start=3, tokens=[PENDING_TOKEN], blocks=[])
+    result, logits = worker.execute_with_logits(step(pending))
+    assert worker.row_table.rows[0].history == [1, 5, 6, first]
+    # The same as naming the token: a fresh worker fed [1, 5, 6, first] explicitly.
+    fresh = make_worker(tiny_dir, num_slots=3, num_blocks=8)
+    _, expected = fresh.execute_with_logits(step(item(tokens=[1, 5, 6, first])))
+    assert result.samples[0].token_id == expected.argmax(-1).item()
+    assert (logits - expected).abs().max().item() < 1e-4
+
+
+def test_a_pending_token_after_a_step_that_sampled_nothing_is_refused(worker):
+    worker.execute(step(item(sample=False)))
+    before = worker.rows()
+    with pytest.raises(ValueError, match="sampled none"):
+        worker.execute(step(item(start=3, tokens=[PENDING_TOKEN], blocks=[])))
+    assert worker.rows() == before
