@@ -269,15 +269,15 @@ def summarize(
     }
 
 
-def worker_busy_seconds(metrics_text: str) -> tuple[str, float] | None:
-    """The first Prometheus counter whose name contains ``worker_busy``, summed over its
-    label sets, as (name, seconds); None when the server exposes no such counter."""
+def scrape_counter(metrics_text: str, fragment: str) -> tuple[str, float] | None:
+    """The first Prometheus counter or gauge whose name contains ``fragment``, summed over its
+    label sets, as (name, value); None when the server exposes no such metric."""
     totals: dict[str, float] = {}
     for line in metrics_text.splitlines():
         if not line or line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(None, 1)[0]
-        if "worker_busy" not in name or name.endswith("_created"):
+        if fragment not in name or name.endswith("_created"):
             continue  # prometheus_client adds a *_created timestamp next to each counter
         value = line.rsplit("}", 1)[-1].split()[0] if "}" in line else line.split()[1]
         totals[name] = totals.get(name, 0.0) + float(value)
@@ -285,6 +285,23 @@ def worker_busy_seconds(metrics_text: str) -> tuple[str, float] | None:
         return None
     name = next((n for n in totals if n.endswith("_total")), next(iter(totals)))
     return name, totals[name]
+
+
+def worker_busy_seconds(metrics_text: str) -> tuple[str, float] | None:
+    """The worker busy counter (a name containing ``worker_busy``), as ``scrape_counter``."""
+    return scrape_counter(metrics_text, "worker_busy")
+
+
+# What a scrape collects: the worker's busy seconds, the scheduler's own busy seconds (planning
+# and applying, not waiting on the worker) and the steps it ran, for its work per iteration.
+SCRAPED = ("worker_busy", "scheduler_busy", "num_steps")
+
+
+def scheduler_ms_per_step(before: dict, after: dict) -> float | None:
+    """The scheduler's own milliseconds per step over the run; None without both metrics."""
+    busy = busy_delta(before.get("scheduler_busy"), after.get("scheduler_busy"))
+    steps = busy_delta(before.get("num_steps"), after.get("num_steps"))
+    return None if busy is None or not steps else busy * 1000.0 / steps
 
 
 def busy_delta(before: tuple[str, float] | None, after: tuple[str, float] | None) -> float | None:
@@ -347,16 +364,20 @@ class BenchServe:
             await self._warmup(session, model)
             requests = build_workload(**cfg.workload_args)
             offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.seed)
-            busy_before, scraped_at = await self._scrape(session), time.perf_counter()
+            before, scraped_at = await self._scrape(session), time.perf_counter()
             results, duration = await run_load(session, cfg, model, requests, offsets)
-            busy_after = await self._scrape(session)
+            after = await self._scrape(session)
             scrape_wall = time.perf_counter() - scraped_at
+        busy_before, busy_after = before.get("worker_busy"), after.get("worker_busy")
+        steps = busy_delta(before.get("num_steps"), after.get("num_steps"))
         return {
             **self._run_info(model),
             **summarize(results, duration, cfg.goodput),
             "worker_busy_metric": busy_after[0] if busy_after else None,
             "worker_busy_seconds": busy_delta(busy_before, busy_after),
             "worker_busy_ratio": busy_ratio(busy_before, busy_after, scrape_wall),
+            "scheduler_steps": None if steps is None else int(steps),
+            "scheduler_ms_per_step": scheduler_ms_per_step(before, after),
         }
 
     def _run_info(self, model: str) -> dict[str, object]:
@@ -413,11 +434,18 @@ class BenchServe:
         if not any(r.success for r in results):
             raise UserError(f"warmup request failed: {results[0].error}")
 
-    async def _scrape(self, session: aiohttp.ClientSession) -> tuple[str, float] | None:
-        """The worker busy counter from /metrics, or None when the server has none."""
+    async def _scrape(self, session: aiohttp.ClientSession) -> dict[str, tuple[str, float]]:
+        """The ``SCRAPED`` metrics /metrics has (none when the server has no /metrics)."""
         try:
             url = f"{self.config.root_url}/metrics"
             async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
-                return worker_busy_seconds(await resp.text()) if resp.status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, IndexError):
-            return None
+                if resp.status != 200:
+                    return {}
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return {}
+        try:
+            found = {fragment: scrape_counter(text, fragment) for fragment in SCRAPED}
+        except (ValueError, IndexError):
+            return {}
+        return {fragment: value for fragment, value in found.items() if value is not None}

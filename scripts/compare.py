@@ -40,6 +40,7 @@ COLUMNS = (
     ("p99 ITL ms", "itl_p99", "{:.1f}"),
     ("median TPOT ms", "tpot_median", "{:.1f}"),
     ("worker busy", "worker_busy_ratio", "{:.0%}"),
+    ("sched. ms/step", "scheduler_ms_per_step", "{:.2f}"),
     ("failed", "failed", "{}"),
 )
 

@@ -175,6 +175,8 @@ def format_table(report: dict) -> str:
         ("Output token throughput (tok/s):", report["output_throughput"]),
         ("Total token throughput (tok/s):", report["total_token_throughput"]),
         ("Worker busy ratio:", report["worker_busy_ratio"]),
+        ("Scheduler steps:", report.get("scheduler_steps")),
+        ("Scheduler ms per step:", report.get("scheduler_ms_per_step")),
     ]
     lines = [" Serving Benchmark Result ".center(_WIDTH, "=")]
     lines += [_row(label, value) for label, value in rows]

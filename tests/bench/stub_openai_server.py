@@ -70,6 +70,8 @@ class StubOpenAIServer:
             "# TYPE nanoserve:worker_busy_seconds_total counter\n"
             f'nanoserve:worker_busy_seconds_total{{worker="0"}} {self.busy_seconds}\n'
             f'nanoserve:worker_busy_seconds_created{{worker="0"}} 1.7e9\n'
+            f"nanoserve:scheduler_busy_seconds_total {self.busy_seconds / 100}\n"
+            f"nanoserve:num_steps {round(self.busy_seconds * 1000)}\n"
         )
         return web.Response(text=text, content_type="text/plain")
 

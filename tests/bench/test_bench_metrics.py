@@ -23,6 +23,7 @@ from nanoserve.bench_serve import (
     percentile,
     read_stream,
     request_payload,
+    scheduler_ms_per_step,
     summarize,
     worker_busy_seconds,
 )
@@ -135,6 +136,14 @@ def test_worker_busy_counter_parsed_from_prometheus_text():
     assert worker_busy_seconds(text) == ("nanoserve:worker_busy_seconds_total", 4.0)
     assert worker_busy_seconds("worker_busy 3\n") == ("worker_busy", 3.0)
     assert worker_busy_seconds("other_total 9\n") is None
+
+
+def test_scheduler_ms_per_step_needs_both_metrics() -> None:
+    before = {"scheduler_busy": ("s_total", 1.0), "num_steps": ("n", 100.0)}
+    after = {"scheduler_busy": ("s_total", 1.5), "num_steps": ("n", 600.0)}
+    assert scheduler_ms_per_step(before, after) == pytest.approx(1.0)
+    assert scheduler_ms_per_step(before, {"num_steps": ("n", 600.0)}) is None
+    assert scheduler_ms_per_step(before, {**after, "num_steps": ("n", 100.0)}) is None
     before, after = ("m", 1.0), ("m", 5.0)
     assert busy_ratio(before, after, wall=8.0) == 0.5
     assert busy_ratio(None, after, wall=8.0) is None

@@ -54,6 +54,9 @@ async def test_fixed_concurrency_run_measures_the_scripted_stream():
     # /metrics: the stub adds exactly 0.01 busy seconds per request; warmups were before.
     assert report["worker_busy_seconds"] == pytest.approx(0.12)
     assert 0.0 < report["worker_busy_ratio"] <= 0.12 / duration
+    # The stub counts a step per busy millisecond and a hundredth of it as scheduler time.
+    assert report["scheduler_steps"] == 120
+    assert report["scheduler_ms_per_step"] == pytest.approx(0.01)
 
 
 async def test_failures_are_counted_not_raised():
