@@ -107,6 +107,9 @@ def start_llama_server(binary: Path, gguf: Path, log_dir: Path, slots: int, thre
     server = Server("llama.cpp", free_port(), log_dir)
     command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(server.port)]
     command += ["-np", str(slots), "-c", str(512 * slots), "-cb", "-t", str(threads)]
+    # Enough HTTP threads for every client: with the default (about one per slot) connections
+    # beyond them are refused, which is failure, not queueing.
+    command += ["--threads-http", "64"]
     try:
         server.spawn("llama-server", command, dict(os.environ))
         server.wait_ready("/health", timeout=120)

@@ -148,18 +148,19 @@ def _decode(q, cache, meta: AttentionMetadata, scratch) -> torch.Tensor:
 
 def _prefill(q, kv, cache, span: PrefillSpan, block_size: int) -> torch.Tensor:
     qs = q[span.begin : span.end].transpose(0, 1)  # (n_heads, n, hd)
-    group = q.shape[1] // kv.shape[2]
     if span.blocks is None:
         ks = kv[span.begin : span.end, 0].transpose(0, 1)  # (n_kv, n, hd)
         vs = kv[span.begin : span.end, 1].transpose(0, 1)
     else:
         ks, vs = _gather_blocks(cache, span.blocks, block_size)  # (n_kv, M * bs, hd) each
-    # Repeat K/V per query head (as transformers' repeat_kv does): SDPA's enable_gqa would send
-    # CPU to its slow math kernel instead of the flash one.
-    ks = ks.repeat_interleave(group, dim=0)  # (n_heads, L, hd)
-    vs = vs.repeat_interleave(group, dim=0)
+    # 4-D with enable_gqa: CPU's flash kernel takes only 4-D inputs (3-D falls back to the math
+    # kernel, 2.6x slower at 192 tokens), and with 4-D it handles GQA without repeated K/V.
     if span.blocks is None:
-        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        out = F.scaled_dot_product_attention(
+            qs[None], ks[None], vs[None], is_causal=True, enable_gqa=True
+        )
     else:
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask)
-    return out.transpose(0, 1)  # (n, n_heads, hd)
+        out = F.scaled_dot_product_attention(
+            qs[None], ks[None], vs[None], attn_mask=span.mask, enable_gqa=True
+        )
+    return out[0].transpose(0, 1)  # (n, n_heads, hd)
