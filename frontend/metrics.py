@@ -48,6 +48,11 @@ class Metrics:
             "Steps sent to the worker and not answered yet (2 while overlap runs ahead)",
             registry=r,
         )
+        self.worker_resident = Gauge(
+            "nanoserve:worker_resident_memory_bytes",
+            "The worker process's resident memory after its last step",
+            registry=r,
+        )
         self.messages_during_step = Gauge(
             "nanoserve:scheduler_messages_during_step_total",
             "Adds and aborts the scheduler took in while a step was in flight",
@@ -115,6 +120,7 @@ class Metrics:
         self.worker_ready.set(1 if stats.worker_ready else 0)
         self.step_in_flight.set(1 if stats.step_in_flight else 0)
         self.steps_in_flight.set(stats.steps_in_flight)
+        self.worker_resident.set(stats.worker_resident_bytes)
         self.messages_during_step.set(stats.messages_during_step_total)
         self.worker_busy.set(stats.worker_busy_s_total)
         self.scheduler_busy.set(stats.scheduler_busy_s_total)

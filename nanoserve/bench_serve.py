@@ -293,8 +293,13 @@ def worker_busy_seconds(metrics_text: str) -> tuple[str, float] | None:
 
 
 # What a scrape collects: the worker's busy seconds, the scheduler's own busy seconds (planning
-# and applying, not waiting on the worker) and the steps it ran, for its work per iteration.
-SCRAPED = ("worker_busy", "scheduler_busy", "num_steps")
+# and applying, not waiting on the worker) and the steps it ran, for its work per iteration, and
+# the worker's resident memory, to show it flat over a run.
+SCRAPED = ("worker_busy", "scheduler_busy", "num_steps", "worker_resident_memory")
+
+
+def _mib(scraped: tuple[str, float] | None) -> float | None:
+    return None if scraped is None or scraped[1] <= 0 else scraped[1] / 2**20
 
 
 def scheduler_ms_per_step(before: dict, after: dict) -> float | None:
@@ -378,6 +383,8 @@ class BenchServe:
             "worker_busy_ratio": busy_ratio(busy_before, busy_after, scrape_wall),
             "scheduler_steps": None if steps is None else int(steps),
             "scheduler_ms_per_step": scheduler_ms_per_step(before, after),
+            "worker_rss_mib_start": _mib(before.get("worker_resident_memory")),
+            "worker_rss_mib_end": _mib(after.get("worker_resident_memory")),
         }
 
     def _run_info(self, model: str) -> dict[str, object]:

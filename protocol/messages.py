@@ -140,6 +140,7 @@ class StepResult(Message):
     rows: list[RowSummary] | None = None
     forward_s: float = 0.0
     error: str | None = None
+    resident_bytes: int = 0  # the worker process's resident memory after the step (0: unknown)
 
 
 class WorkerReady(Message):
@@ -236,6 +237,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     workers_lost_total: int = 0
     frontends_lost_total: int = 0
     steps_in_flight: int = 0  # 2 while overlap keeps the next step queued behind the current
+    worker_resident_bytes: int = 0
 
 
 class Outputs(Message):

@@ -61,6 +61,7 @@ class _Worker:
     last_seen: float
     in_flight: list[int] = field(default_factory=list)  # step ids sent, oldest first
     busy_s: float = 0.0
+    resident_bytes: int = 0
     fd: int | None = None  # the connection its messages arrive on, to match monitor events
 
 
@@ -402,6 +403,7 @@ class SchedulerProcess:
             return
         worker.in_flight.pop(0)
         worker.busy_s += result.forward_s
+        worker.resident_bytes = result.resident_bytes or worker.resident_bytes
         self.counters.steps += 1
         started = time.perf_counter()
         if result.error is not None:
@@ -453,6 +455,7 @@ class SchedulerProcess:
             worker_busy_s_total=self.worker.busy_s if self.worker else 0.0,
             step_in_flight=self.worker is not None and bool(self.worker.in_flight),
             steps_in_flight=len(self.worker.in_flight) if self.worker is not None else 0,
+            worker_resident_bytes=self.worker.resident_bytes if self.worker else 0,
             messages_during_step_total=self.counters.messages_during_step,
             scheduler_busy_s_total=self.counters.scheduler_s,
             bad_messages_total=self.counters.bad_messages,

@@ -41,6 +41,8 @@ COLUMNS = (
     ("median TPOT ms", "tpot_median", "{:.1f}"),
     ("worker busy", "worker_busy_ratio", "{:.0%}"),
     ("sched. ms/step", "scheduler_ms_per_step", "{:.2f}"),
+    ("worker RSS MiB start", "worker_rss_mib_start", "{:.0f}"),
+    ("end", "worker_rss_mib_end", "{:.0f}"),
     ("failed", "failed", "{}"),
 )
 

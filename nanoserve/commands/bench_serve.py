@@ -177,6 +177,8 @@ def format_table(report: dict) -> str:
         ("Worker busy ratio:", report["worker_busy_ratio"]),
         ("Scheduler steps:", report.get("scheduler_steps")),
         ("Scheduler ms per step:", report.get("scheduler_ms_per_step")),
+        ("Worker RSS at start (MiB):", report.get("worker_rss_mib_start")),
+        ("Worker RSS at end (MiB):", report.get("worker_rss_mib_end")),
     ]
     lines = [" Serving Benchmark Result ".center(_WIDTH, "=")]
     lines += [_row(label, value) for label, value in rows]

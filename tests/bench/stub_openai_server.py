@@ -72,6 +72,7 @@ class StubOpenAIServer:
             f'nanoserve:worker_busy_seconds_created{{worker="0"}} 1.7e9\n'
             f"nanoserve:scheduler_busy_seconds_total {self.busy_seconds / 100}\n"
             f"nanoserve:num_steps {round(self.busy_seconds * 1000)}\n"
+            f"nanoserve:worker_resident_memory_bytes {2**20 * (100 + len(self.bodies))}\n"
         )
         return web.Response(text=text, content_type="text/plain")
 

@@ -57,6 +57,8 @@ async def test_fixed_concurrency_run_measures_the_scripted_stream():
     # The stub counts a step per busy millisecond and a hundredth of it as scheduler time.
     assert report["scheduler_steps"] == 120
     assert report["scheduler_ms_per_step"] == pytest.approx(0.01)
+    # Its resident memory grows a MiB per request body: 2 warmups before, 12 timed ones after.
+    assert (report["worker_rss_mib_start"], report["worker_rss_mib_end"]) == (102.0, 114.0)
 
 
 async def test_failures_are_counted_not_raised():

@@ -36,6 +36,8 @@ def test_table_has_one_line_per_row_and_dashes_for_missing_cells():
             "tpot_median": 33.0,
             "worker_busy_ratio": 0.973,
             "scheduler_ms_per_step": 0.4567,
+            "worker_rss_mib_start": 700.4,
+            "worker_rss_mib_end": 701.6,
             "failed": 0,
         },
         {"server": "transformers static b32", "dtype": "float32", "output_throughput": 164.0},
@@ -43,9 +45,12 @@ def test_table_has_one_line_per_row_and_dashes_for_missing_cells():
     lines = compare.format_table(rows).splitlines()
     assert len(lines) == 4
     assert lines[2] == (
-        "| nanoserve | bfloat16 | 32 | 812.3 | 95 | 31.2 | 60.0 | 33.0 | 97% | 0.46 | 0 |"
+        "| nanoserve | bfloat16 | 32 | 812.3 | 95 | 31.2 | 60.0 | 33.0 | 97% | 0.46 | 700 | 702 "
+        "| 0 |"
     )
-    assert lines[3] == "| transformers static b32 | float32 | - | 164.0 | - | - | - | - | - | - | - |"
+    assert lines[3] == (
+        "| transformers static b32 | float32 | - | 164.0 | - | - | - | - | - | - | - | - | - |"
+    )
 
 
 def test_help_names_the_peers():

@@ -101,6 +101,8 @@ async def test_the_next_step_is_queued_while_one_computes(slow_server, tmp_path)
         assert both["nanoserve:step_in_flight"] == 1
         response = await asyncio.wait_for(task, timeout=60)
         text = (await response.json())["choices"][0]["text"]
+    # Each result carries the worker's resident memory: the weights alone are over 128 MiB.
+    assert slow_server.metrics()["nanoserve:worker_resident_memory_bytes"] > 2**27
     flags = ("--max-tokens", "4", "--temperature", "0", "--disable-overlap")
     (offline,) = generate_offline(tmp_path, [{"prompt": "The sea is"}], *flags)
     assert text and text == offline["text"]
