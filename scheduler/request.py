@@ -76,10 +76,11 @@ class Request:
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens at positions ``[start, stop)`` of prompt + output; a pending token reads
         ``PENDING_TOKEN``."""
-        prompt = self.prompt_token_ids
-        if stop <= len(prompt):
+        prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
+        if stop <= n:
             return prompt[start:stop]
-        known = (prompt + self.output_token_ids)[start:stop]
+        # Sliced apart, never concatenated whole: a decode step must not cost O(context).
+        known = prompt[start:n] + self.output_token_ids[max(0, start - n) : stop - n]
         return known + [PENDING_TOKEN] * (stop - start - len(known))
 
     @property

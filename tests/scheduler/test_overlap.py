@@ -108,3 +108,13 @@ def test_a_worker_lost_with_two_steps_in_flight_releases_every_row() -> None:
     (alone,) = make_engine(num_blocks=16, overlap=False).generate([[1, 2, 3]], GREEDY)
     assert tokens == alone.new_token_ids
     assert_all_back(engine)
+
+
+@pytest.mark.parametrize("start,stop", [(0, 3), (1, 5), (3, 6), (4, 7), (6, 7), (0, 7), (2, 2)])
+def test_token_slice_reads_prompt_outputs_then_pending(start: int, stop: int) -> None:
+    from scheduler.request import Request
+
+    request = Request("r", [10, 11, 12, 13], GREEDY, arrival=0, output_token_ids=[20, 21])
+    request.num_pending = 1
+    whole = [10, 11, 12, 13, 20, 21, PENDING_TOKEN]
+    assert request.token_slice(start, stop) == whole[start:stop]
