@@ -60,6 +60,14 @@ class Channel(Generic[T]):
         """Receive one message as ``(peer, message)``; peer is None on a DEALER."""
         return self._decode(self.socket.recv_multipart())
 
+    def recv_with_fd(self) -> tuple[bytes | None, T, int | None]:
+        """``recv``, plus the file descriptor of the connection the message arrived on (None
+        where libzmq cannot tell): what matches a socket monitor's disconnect event to a peer.
+        BadMessage as ``recv``."""
+        frames = self.socket.recv_multipart(copy=False)
+        peer, message = self._decode([frame.bytes for frame in frames])
+        return peer, message, _source_fd(frames[-1])
+
     async def asend(self, message: msgspec.Struct, peer: bytes | None = None) -> None:
         """``send`` for a ``zmq.asyncio`` socket."""
         await self.socket.send_multipart(self._frames(message, peer), copy=False)
@@ -67,3 +75,10 @@ class Channel(Generic[T]):
     async def arecv(self) -> tuple[bytes | None, T]:
         """``recv`` for a ``zmq.asyncio`` socket."""
         return self._decode(await self.socket.recv_multipart())
+
+
+def _source_fd(frame: zmq.Frame) -> int | None:
+    try:
+        return frame.get(zmq.SRCFD)
+    except zmq.ZMQError:  # a libzmq without the (deprecated) property
+        return None

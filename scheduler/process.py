@@ -24,7 +24,6 @@ import logging
 import math
 import signal
 import time
-from dataclasses import dataclass, field
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -41,40 +40,22 @@ from protocol.messages import (
     Heartbeat,
     Outputs,
     RequestOutput,
-    SamplingParams,
     SchedulerHello,
     SchedulerInfo,
     StepResult,
     WorkerReady,
     WorkerToScheduler,
 )
+from scheduler.peers import (
+    Counters,
+    Frontends,
+    WorkerPeer,
+    check_request,
+    failed,
+    geometry,
+)
 
 log = logging.getLogger("nanoserve.scheduler")
-
-
-@dataclass
-class _Worker:
-    """The one worker we step, as the scheduler sees it."""
-
-    peer: bytes
-    ready: WorkerReady
-    last_seen: float
-    in_flight: list[int] = field(default_factory=list)  # step ids sent, oldest first
-    busy_s: float = 0.0
-    resident_bytes: int = 0
-    fd: int | None = None  # the connection its messages arrive on, to match monitor events
-
-
-@dataclass
-class _Counters:
-    bad_messages: int = 0
-    steps: int = 0
-    messages_during_step: int = 0  # frontend messages taken in while the worker computed
-    scheduler_s: float = 0.0  # time spent planning and applying, not waiting on the worker
-    frontends: dict[bytes, float] = field(default_factory=dict)  # peer -> last heard (monotonic)
-    frontend_fds: dict[bytes, int] = field(default_factory=dict)
-    workers_lost: int = 0
-    frontends_lost: int = 0
 
 
 class SchedulerProcess:
@@ -102,9 +83,10 @@ class SchedulerProcess:
             self.workers.socket.get_monitor_socket(closed): self._worker_fd_closed,
         }
         self.engine = None  # built when the first worker announces its geometry
-        self.worker: _Worker | None = None
+        self.worker: WorkerPeer | None = None
         self.owner: dict[str, bytes] = {}  # request id -> the frontend that sent it
-        self.counters = _Counters()
+        self.counters = Counters()
+        self.frontends_seen = Frontends()
         self.lost_since: float | None = None  # monotonic time the last worker was lost
         self.no_worker_reason = "no worker has announced itself yet"
         self.stopping = False
@@ -156,14 +138,12 @@ class SchedulerProcess:
     def _drain(self, channel: Channel, handler) -> None:
         """Handle every message already queued on one socket, without blocking."""
         while channel.socket.poll(0):
-            frames = channel.socket.recv_multipart(copy=False)
             try:
-                # Channel's own decoding; frames come un-copied so their source fd is known.
-                peer, message = channel._decode([frame.bytes for frame in frames])
+                peer, message, fd = channel.recv_with_fd()
             except BadMessage as exc:
                 self._bad(f"peer {exc.peer!r}: {exc}")
                 continue
-            handler(peer, message, _source_fd(frames[-1]))
+            handler(peer, message, fd)
 
     def _bad(self, what: str) -> None:
         self.counters.bad_messages += 1
@@ -180,16 +160,14 @@ class SchedulerProcess:
             self._worker_lost("its connection closed")
 
     def _frontend_fd_closed(self, fd: int) -> None:
-        for peer, known in list(self.counters.frontend_fds.items()):
-            if known == fd:
-                self._frontend_lost(peer, "its connection closed")
+        for peer in self.frontends_seen.on_fd(fd):
+            self._frontend_lost(peer, "its connection closed")
 
     def _check_liveness(self) -> None:
         """The backstop for a peer that went silent without closing its connection."""
         now = time.monotonic()
-        for peer, seen in list(self.counters.frontends.items()):
-            if now - seen > self.peer_timeout:
-                self._frontend_lost(peer, f"silent for {now - seen:.1f} s")
+        for peer, silent in self.frontends_seen.silent(now, self.peer_timeout):
+            self._frontend_lost(peer, f"silent for {silent:.1f} s")
         worker = self.worker
         # Mid-step the beats come from a thread that Python code of the step can delay a little.
         limit = self.peer_timeout * (2 if worker is not None and worker.in_flight else 1)
@@ -228,10 +206,7 @@ class SchedulerProcess:
     # -- frontends ---------------------------------------------------------------------------
 
     def _on_frontend(self, peer: bytes, message, fd: int | None) -> None:
-        known = peer in self.counters.frontends
-        self.counters.frontends[peer] = time.monotonic()
-        if fd is not None:
-            self.counters.frontend_fds[peer] = fd
+        known = self.frontends_seen.heard(peer, time.monotonic(), fd)
         if self.worker is not None and self.worker.in_flight:
             self.counters.messages_during_step += 1
         match message:
@@ -271,13 +246,12 @@ class SchedulerProcess:
 
     def _tell_frontends(self) -> None:
         info = self._info()
-        for frontend in self.counters.frontends:
+        for frontend in self.frontends_seen:
             self.frontends.send(info, frontend)
 
     def _frontend_lost(self, peer: bytes, why: str) -> None:
         """Forget a frontend and abort its requests: nobody is left to read their tokens."""
-        self.counters.frontends.pop(peer, None)
-        self.counters.frontend_fds.pop(peer, None)
+        self.frontends_seen.forget(peer)
         self.counters.frontends_lost += 1
         orphans = [request_id for request_id, owner in self.owner.items() if owner == peer]
         for request_id in orphans:
@@ -286,7 +260,7 @@ class SchedulerProcess:
 
     def _add(self, peer: bytes, add: AddRequest) -> None:
         if self.engine is None or (self.worker is None and self.lost_since is None):
-            self._reply(peer, [_failed(add.request_id, self.no_worker_reason)])
+            self._reply(peer, [failed(add.request_id, self.no_worker_reason)])
             return
         if add.request_id in self.owner:
             self._bad(f"peer {peer!r}: request id {add.request_id!r} is already in use")
@@ -294,10 +268,10 @@ class SchedulerProcess:
         try:
             # The frontend validates; this is the last line of defence for a raw peer, so that
             # a poisonous request can never crash the worker over and over.
-            _check_request(add, self.engine.ready_info.vocab_size)
+            check_request(add, self.engine.ready_info.vocab_size)
             self.engine.add_request(add.request_id, list(add.prompt_token_ids), add.params)
         except ValueError as exc:
-            self._reply(peer, [_failed(add.request_id, str(exc))])
+            self._reply(peer, [failed(add.request_id, str(exc))])
             return
         self.owner[add.request_id] = peer
 
@@ -307,7 +281,7 @@ class SchedulerProcess:
         for request_id, peer in self.owner.items():
             if self.engine is not None:
                 self.engine.abort(request_id)
-            by_peer.setdefault(peer, []).append(_failed(request_id, reason))
+            by_peer.setdefault(peer, []).append(failed(request_id, reason))
         self.owner.clear()
         for peer, batch in by_peer.items():
             self._reply(peer, batch)
@@ -355,8 +329,8 @@ class SchedulerProcess:
             return
         from scheduler.engine import Engine
 
-        if self.engine is not None and _geometry(self.engine.ready_info) != _geometry(ready):
-            log.error("the new worker's cache geometry differs: %s", _geometry(ready))
+        if self.engine is not None and geometry(self.engine.ready_info) != geometry(ready):
+            log.error("the new worker's cache geometry differs: %s", geometry(ready))
             self._fail_all("the worker was replaced by one with a different model or cache")
             self.engine = None
         if self.engine is None:
@@ -368,7 +342,7 @@ class SchedulerProcess:
         else:
             self.engine.worker_lost()  # running requests go back to waiting with their tokens
         lost_for = time.monotonic() - self.lost_since if self.lost_since is not None else None
-        self.worker = _Worker(peer=peer, ready=ready, last_seen=time.monotonic(), fd=fd)
+        self.worker = WorkerPeer(peer=peer, ready=ready, last_seen=time.monotonic(), fd=fd)
         self.lost_since = None
         self._hellos.clear()
         log.info(
@@ -438,7 +412,7 @@ class SchedulerProcess:
             return
         self._last_heartbeat = now
         beat = Heartbeat(sender="scheduler", time=time.time())
-        for frontend in self.counters.frontends:
+        for frontend in self.frontends_seen:
             self.frontends.send(Outputs(outputs=[], stats=self._stats()), frontend)
             self.frontends.send(beat, frontend)
 
@@ -462,51 +436,6 @@ class SchedulerProcess:
             workers_lost_total=self.counters.workers_lost,
             frontends_lost_total=self.counters.frontends_lost,
         )
-
-
-def _failed(request_id: str, reason: str) -> RequestOutput:
-    return RequestOutput(
-        request_id=request_id, new_token_ids=[], finish_reason="error", error=reason
-    )
-
-
-def _source_fd(frame: zmq.Frame) -> int | None:
-    try:
-        return frame.get(zmq.SRCFD)
-    except zmq.ZMQError:  # a libzmq without the (deprecated) property: the timeout still works
-        return None
-
-
-def _geometry(ready: WorkerReady) -> tuple:
-    """What a replacement worker must share with the lost one for requests to carry over."""
-    return (
-        ready.model_id,
-        ready.num_blocks,
-        ready.block_size,
-        ready.num_slots,
-        ready.max_model_len,
-        tuple(ready.eos_token_ids),
-        ready.vocab_size,
-    )
-
-
-def _check_request(add: AddRequest, vocab_size: int) -> None:
-    """ValueError for what msgspec's types let through but the worker could not run."""
-    p: SamplingParams = add.params
-    ids = [*add.prompt_token_ids, *p.stop_token_ids, *(p.logit_bias or {})]
-    if any(not 0 <= token < vocab_size for token in ids):
-        raise ValueError(f"token ids must be in [0, {vocab_size})")
-    floats = (p.temperature, p.top_p, p.min_p, p.repetition_penalty)
-    if not all(math.isfinite(x) for x in (*floats, p.presence_penalty, p.frequency_penalty)):
-        raise ValueError("sampling parameters must be finite")
-    if p.temperature < 0 or not 0 < p.top_p <= 1 or not 0 <= p.min_p <= 1:
-        raise ValueError("temperature, top_p or min_p out of range")
-    if p.repetition_penalty <= 0 or (p.top_k is not None and p.top_k < 1) or p.min_tokens < 0:
-        raise ValueError("repetition_penalty, top_k or min_tokens out of range")
-    if p.logprobs is not None and not 0 <= p.logprobs <= 20:
-        raise ValueError("logprobs must be in [0, 20]")
-    if any(not math.isfinite(v) for v in (p.logit_bias or {}).values()):
-        raise ValueError("logit_bias values must be finite")
 
 
 def run_scheduler(

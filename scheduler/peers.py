@@ -1,0 +1,109 @@
+"""The scheduler process's view of its peers: the worker it steps, the frontends it serves,
+and the checks a request from a raw peer must pass before it reaches the ledgers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from protocol.messages import AddRequest, RequestOutput, SamplingParams, WorkerReady
+
+
+@dataclass
+class WorkerPeer:
+    """The one worker we step, as the scheduler sees it."""
+
+    peer: bytes
+    ready: WorkerReady
+    last_seen: float
+    in_flight: list[int] = field(default_factory=list)  # step ids sent, oldest first
+    busy_s: float = 0.0
+    resident_bytes: int = 0
+    fd: int | None = None  # the connection its messages arrive on, to match monitor events
+
+
+@dataclass
+class Counters:
+    """Running totals the scheduler reports in EngineStats."""
+
+    bad_messages: int = 0
+    steps: int = 0
+    messages_during_step: int = 0  # frontend messages taken in while the worker computed
+    scheduler_s: float = 0.0  # time spent planning and applying, not waiting on the worker
+    workers_lost: int = 0
+    frontends_lost: int = 0
+
+
+class Frontends:
+    """Every frontend heard from: when it was last heard, and the connection it speaks on."""
+
+    def __init__(self) -> None:
+        self.last_heard: dict[bytes, float] = {}  # peer -> monotonic time
+        self.fds: dict[bytes, int] = {}
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(list(self.last_heard))  # a copy: callers may forget peers as they go
+
+    def __contains__(self, peer: bytes) -> bool:
+        return peer in self.last_heard
+
+    def heard(self, peer: bytes, now: float, fd: int | None) -> bool:
+        """Record a message from ``peer``; returns whether it was known before."""
+        known = peer in self.last_heard
+        self.last_heard[peer] = now
+        if fd is not None:
+            self.fds[peer] = fd
+        return known
+
+    def on_fd(self, fd: int) -> list[bytes]:
+        """The frontends whose connection is ``fd``."""
+        return [peer for peer, known in self.fds.items() if known == fd]
+
+    def silent(self, now: float, limit: float) -> list[tuple[bytes, float]]:
+        """(peer, seconds silent) for every frontend silent longer than ``limit``."""
+        return [(p, now - t) for p, t in self.last_heard.items() if now - t > limit]
+
+    def forget(self, peer: bytes) -> None:
+        """Drop a lost frontend."""
+        self.last_heard.pop(peer, None)
+        self.fds.pop(peer, None)
+
+
+def failed(request_id: str, reason: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id, new_token_ids=[], finish_reason="error", error=reason
+    )
+
+
+def geometry(ready: WorkerReady) -> tuple:
+    """What a replacement worker must share with the lost one for requests to carry over."""
+    return (
+        ready.model_id,
+        ready.num_blocks,
+        ready.block_size,
+        ready.num_slots,
+        ready.max_model_len,
+        tuple(ready.eos_token_ids),
+        ready.vocab_size,
+    )
+
+
+def check_request(add: AddRequest, vocab_size: int) -> None:
+    """ValueError for what msgspec's types let through but the worker could not run."""
+    p: SamplingParams = add.params
+    ids = [*add.prompt_token_ids, *p.stop_token_ids, *(p.logit_bias or {})]
+    if any(not 0 <= token < vocab_size for token in ids):
+        raise ValueError(f"token ids must be in [0, {vocab_size})")
+    floats = (p.temperature, p.top_p, p.min_p, p.repetition_penalty)
+    if not all(math.isfinite(x) for x in (*floats, p.presence_penalty, p.frequency_penalty)):
+        raise ValueError("sampling parameters must be finite")
+    if p.temperature < 0 or not 0 < p.top_p <= 1 or not 0 <= p.min_p <= 1:
+        raise ValueError("temperature, top_p or min_p out of range")
+    if p.repetition_penalty <= 0 or (p.top_k is not None and p.top_k < 1) or p.min_tokens < 0:
+        raise ValueError("repetition_penalty, top_k or min_tokens out of range")
+    if p.logprobs is not None and not 0 <= p.logprobs <= 20:
+        raise ValueError("logprobs must be in [0, 20]")
+    if any(not math.isfinite(v) for v in (p.logit_bias or {}).values()):
+        raise ValueError("logit_bias values must be finite")
