@@ -12,7 +12,6 @@ import asyncio
 import json
 import math
 import time
-from collections import Counter
 from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +22,16 @@ from nanoserve.bench_data import (
     BenchRequest,
     arrival_offsets,
     build_workload,
+)
+from nanoserve.bench_metrics import (
+    SCRAPED,
+    RequestResult,
+    busy_delta,
+    busy_ratio,
+    mib,
+    scheduler_ms_per_step,
+    scrape_counter,
+    summarize,
 )
 from nanoserve.cli import UserError
 
@@ -110,30 +119,6 @@ def _choice(what: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{what} must be one of {', '.join(allowed)}, got {value!r}")
 
 
-@dataclass
-class RequestResult:
-    """What one request measured; times in seconds from the moment it was sent."""
-
-    prompt_len: int
-    output_len: int = 0
-    ttft: float | None = None
-    itl: list[float] = field(default_factory=list)
-    latency: float = 0.0
-    error: str | None = None
-
-    @property
-    def success(self) -> bool:
-        """A request succeeded when its stream completed without an error."""
-        return self.error is None
-
-    @property
-    def tpot(self) -> float:
-        """Time per output token after the first; 0 for a one-token answer (as vLLM)."""
-        if self.output_len < 2 or self.ttft is None:
-            return 0.0
-        return (self.latency - self.ttft) / (self.output_len - 1)
-
-
 class StreamError(Exception):
     """The server sent an error event inside a 200 stream."""
 
@@ -218,112 +203,6 @@ async def send_request(
     return result
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile with linear interpolation (numpy's default)."""
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def latency_stats(seconds: list[float]) -> dict[str, float | None]:
-    """Mean, median and p99 in milliseconds; None for each when there is nothing to measure."""
-    if not seconds:
-        return {"mean": None, "median": None, "p99": None}
-    ms = [s * 1000.0 for s in seconds]
-    return {"mean": sum(ms) / len(ms), "median": percentile(ms, 50), "p99": percentile(ms, 99)}
-
-
-def meets_slos(result: RequestResult, slos: dict[str, float]) -> bool:
-    """True when a successful request is within every SLO (milliseconds)."""
-    if not result.success or result.ttft is None:
-        return False
-    measured = {"ttft": result.ttft, "tpot": result.tpot, "e2el": result.latency}
-    return all(measured[key] * 1000.0 <= limit for key, limit in slos.items())
-
-
-def summarize(
-    results: list[RequestResult], duration: float, slos: dict[str, float]
-) -> dict[str, object]:
-    """The run's metrics as a JSON-ready dict (the ``--json`` schema, less the run info)."""
-    done = [r for r in results if r.success]
-    total_in = sum(r.prompt_len for r in done)
-    total_out = sum(r.output_len for r in done)
-    good = sum(meets_slos(r, slos) for r in done)
-    return {
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "duration_s": duration,
-        "total_input_tokens": total_in,
-        "total_output_tokens": total_out,
-        "request_throughput": len(done) / duration,
-        "request_goodput": good / duration if slos else None,
-        "output_throughput": total_out / duration,
-        "total_token_throughput": (total_in + total_out) / duration,
-        "ttft_ms": latency_stats([r.ttft for r in done if r.ttft is not None]),
-        "tpot_ms": latency_stats([r.tpot for r in done if r.output_len > 1]),
-        "itl_ms": latency_stats([gap for r in done for gap in r.itl]),
-        "e2el_ms": latency_stats([r.latency for r in done]),
-        "errors": dict(Counter(r.error for r in results if r.error).most_common()),
-    }
-
-
-def scrape_counter(metrics_text: str, fragment: str) -> tuple[str, float] | None:
-    """The first Prometheus counter or gauge whose name contains ``fragment``, summed over its
-    label sets, as (name, value); None when the server exposes no such metric."""
-    totals: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(None, 1)[0]
-        if fragment not in name or name.endswith("_created"):
-            continue  # prometheus_client adds a *_created timestamp next to each counter
-        value = line.rsplit("}", 1)[-1].split()[0] if "}" in line else line.split()[1]
-        totals[name] = totals.get(name, 0.0) + float(value)
-    if not totals:
-        return None
-    name = next((n for n in totals if n.endswith("_total")), next(iter(totals)))
-    return name, totals[name]
-
-
-def worker_busy_seconds(metrics_text: str) -> tuple[str, float] | None:
-    """The worker busy counter (a name containing ``worker_busy``), as ``scrape_counter``."""
-    return scrape_counter(metrics_text, "worker_busy")
-
-
-# What a scrape collects: the worker's busy seconds, the scheduler's own busy seconds (planning
-# and applying, not waiting on the worker) and the steps it ran, for its work per iteration, and
-# the worker's resident memory, to show it flat over a run.
-SCRAPED = ("worker_busy", "scheduler_busy", "num_steps", "worker_resident_memory")
-
-
-def _mib(scraped: tuple[str, float] | None) -> float | None:
-    return None if scraped is None or scraped[1] <= 0 else scraped[1] / 2**20
-
-
-def scheduler_ms_per_step(before: dict, after: dict) -> float | None:
-    """The scheduler's own milliseconds per step over the run; None without both metrics."""
-    busy = busy_delta(before.get("scheduler_busy"), after.get("scheduler_busy"))
-    steps = busy_delta(before.get("num_steps"), after.get("num_steps"))
-    return None if busy is None or not steps else busy * 1000.0 / steps
-
-
-def busy_delta(before: tuple[str, float] | None, after: tuple[str, float] | None) -> float | None:
-    """Worker busy seconds gained between two scrapes of the same counter."""
-    if before is None or after is None or before[0] != after[0]:
-        return None
-    return after[1] - before[1]
-
-
-def busy_ratio(
-    before: tuple[str, float] | None, after: tuple[str, float] | None, wall: float
-) -> float | None:
-    """Worker busy seconds gained over the run, per second of wall time."""
-    delta = busy_delta(before, after)
-    return None if delta is None or wall <= 0 else delta / wall
-
-
 async def run_load(
     session: aiohttp.ClientSession,
     config: BenchServeConfig,
@@ -383,8 +262,8 @@ class BenchServe:
             "worker_busy_ratio": busy_ratio(busy_before, busy_after, scrape_wall),
             "scheduler_steps": None if steps is None else int(steps),
             "scheduler_ms_per_step": scheduler_ms_per_step(before, after),
-            "worker_rss_mib_start": _mib(before.get("worker_resident_memory")),
-            "worker_rss_mib_end": _mib(after.get("worker_resident_memory")),
+            "worker_rss_mib_start": mib(before.get("worker_resident_memory")),
+            "worker_rss_mib_end": mib(after.get("worker_resident_memory")),
         }
 
     def _run_info(self, model: str) -> dict[str, object]:

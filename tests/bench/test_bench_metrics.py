@@ -14,19 +14,16 @@ from nanoserve.bench_data import (
     build_workload,
     load_shipped_prompts,
 )
-from nanoserve.bench_serve import (
-    BenchServeConfig,
+from nanoserve.bench_metrics import (
     RequestResult,
-    StreamError,
     busy_ratio,
     meets_slos,
     percentile,
-    read_stream,
-    request_payload,
     scheduler_ms_per_step,
     summarize,
     worker_busy_seconds,
 )
+from nanoserve.bench_serve import BenchServeConfig, StreamError, read_stream, request_payload
 from nanoserve.commands.bench_serve import parse_slos
 
 
