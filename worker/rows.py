@@ -25,6 +25,7 @@ class Row:
     history: list[int] = field(default_factory=list)  # every token fed into the row
     seed: int = 0
     last_sampled: int | None = None  # the token a PENDING_TOKEN item feeds back
+    penalty_state: object | None = None  # the sampler's running counts, built on first need
 
     @property
     def output_tokens(self) -> list[int]:

@@ -6,6 +6,9 @@ transformers' warpers do) before one seeded draw. Logprobs come from the RAW log
 
 A seeded row draws from a generator seeded with (seed, output index), so its token depends on
 neither the rest of the batch nor on whether its cache was recomputed after a preemption.
+
+Penalties read running per-row tensors (tokens seen, generated-token counts) that fold in only
+the tokens new since the row's last step: no step costs time in proportion to the context.
 """
 
 from __future__ import annotations
@@ -27,6 +30,34 @@ class Draw:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class _PenaltyState:
+    """What penalties need of a row's history, kept up to date one step at a time."""
+
+    seen: torch.Tensor  # (vocab,) bool: every token fed into the row, prompt included
+    counts: torch.Tensor  # (vocab,) float32: how often each token was generated
+    folded: int = 0  # how many tokens of row.history are counted in
+
+
+def _penalty_state(row: Row, vocab: int, device: torch.device) -> _PenaltyState:
+    state = row.penalty_state
+    if state is None:
+        state = _PenaltyState(
+            torch.zeros(vocab, dtype=torch.bool, device=device),
+            torch.zeros(vocab, dtype=torch.float32, device=device),
+        )
+        row.penalty_state = state
+    new = row.history[state.folded :]
+    if new:
+        state.seen[torch.tensor(new, device=device)] = True
+        generated = row.history[max(state.folded, row.prompt_len) :]
+        if generated:
+            ids = torch.tensor(generated, device=device)
+            state.counts += torch.bincount(ids, minlength=vocab).to(state.counts)
+        state.folded = len(row.history)
+    return state
 
 
 class Sampler:
@@ -65,13 +96,14 @@ class Sampler:
         """Penalties, logit_bias and min_tokens, in place on one row's (vocab,) scores."""
         params, outputs = row.params, row.output_tokens
         vocab = scores.shape[0]
+        if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+            state = _penalty_state(row, vocab, scores.device)
         if params.repetition_penalty != 1.0 and row.history:
-            seen = torch.tensor(sorted(set(row.history)), device=scores.device)
-            values = scores[seen]
             penalty = params.repetition_penalty
-            scores[seen] = torch.where(values < 0, values * penalty, values / penalty)
+            penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
+            scores.copy_(torch.where(state.seen, penalized, scores))
         if (params.presence_penalty or params.frequency_penalty) and outputs:
-            counts = torch.bincount(torch.tensor(outputs), minlength=vocab).to(scores)
+            counts = state.counts.to(scores)
             scores -= params.frequency_penalty * counts
             scores -= params.presence_penalty * (counts > 0).to(scores)
         for token, bias in (params.logit_bias or {}).items():

@@ -76,6 +76,23 @@ def test_penalties_bias_and_min_tokens():
     assert sampler.sample(logits, [r])[0].token_id == 3
 
 
+def test_penalties_follow_a_growing_history_step_by_step():
+    """The running penalty counts fold in only new tokens; each step must still equal the
+    penalties computed from the whole history afresh."""
+    params = dict(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.3)
+    logits = torch.tensor([0.7, -1.2, 2.5, 0.1, -0.4, 1.9])
+    sampler = Sampler(eos_token_ids=[])
+    growing = row(history=[0, 1], prompt_len=2, **params)
+    for new in ([2], [2], [5], [1]):
+        growing.history.extend(new)
+        scores = logits.clone()
+        sampler._adjust(scores, growing)
+        fresh = logits.clone()
+        sampler._adjust(fresh, row(history=list(growing.history), prompt_len=2, **params))
+        assert scores.tolist() == fresh.tolist()
+    assert growing.penalty_state.counts.tolist() == [0, 1, 2, 0, 0, 1]
+
+
 def test_logprobs_come_from_raw_logits():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
     r = row(temperature=0.0, logprobs=2, logit_bias={0: 100.0})
