@@ -33,16 +33,18 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_layers, 2, n_kv_heads, num_blocks, block_size, head_dim)
-        # empty, not zeros: pages are touched only when used, so a large pool costs nothing up
-        # front. Blocks are zeroed as rows receive them (zero_blocks).
-        self.pool = torch.empty(shape, dtype=dtype, device=device)
+        # zeros, not empty: every page is touched now, so the whole budget is resident from the
+        # start and memory stays flat however the blocks are later reused (with empty, FIFO
+        # block reuse touched new pages for hours), and a budget too big fails at start.
+        self.pool = torch.zeros(shape, dtype=dtype, device=device)
         flat = (num_layers, 2, n_kv_heads, num_blocks * block_size, head_dim)
         self._flat = self.pool.view(flat)
         self._scratch: dict[str, torch.Tensor] = {}
 
     def zero_blocks(self, blocks: list[int]) -> None:
-        """Zero blocks as they join a row. The pool starts uninitialized; a padded read of a
-        block's unwritten tail must see finite numbers, which a zero attention weight cancels."""
+        """Zero blocks as they join a row: a padded read of a block's unwritten tail must see
+        finite numbers, which a zero attention weight cancels, whatever a poisoned or reused
+        block held before."""
         if blocks:
             index = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)
             self.pool.index_fill_(3, index, 0.0)
