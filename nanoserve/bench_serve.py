@@ -241,7 +241,10 @@ class BenchServe:
         async with aiohttp.ClientSession(
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=cfg.request_timeout),
-            connector=aiohttp.TCPConnector(limit=0),  # the semaphore, not the pool, caps load
+            # limit=0: the semaphore, not the pool, caps load. force_close: a connection per
+            # request, so no request lands on a kept-alive socket the server has just closed
+            # (llama-server does; those POSTs failed with "Server disconnected").
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
             read_bufsize=2**20,  # SSE lines are read whole; leave room for logprobs
         ) as session:
             model = await self._model(session)
