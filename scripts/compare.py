@@ -7,7 +7,7 @@ batching, on the same model file and the same work, printed as one table.
 Every server runs the same ``nanoserve bench serve`` load (128 prompt tokens, 128 output tokens
 with ignore_eos, greedy, streaming) at each ``--concurrency``, one server at a time. llama.cpp's
 ``llama-server`` is built from the llama-cpp-python sdist on PyPI the first time it is asked for
-(about half an hour on two cores; kept in ``--llama-cache``), or taken from ``--llama-server``.
+(7 minutes on two busy cores; kept in ``--llama-cache``), or taken from ``--llama-server``.
 """
 
 from __future__ import annotations
