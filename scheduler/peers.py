@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from protocol.messages import AddRequest, RequestOutput, SamplingParams, WorkerReady
 
@@ -18,7 +18,6 @@ class WorkerPeer:
     peer: bytes
     ready: WorkerReady
     last_seen: float
-    in_flight: list[int] = field(default_factory=list)  # step ids sent, oldest first
     busy_s: float = 0.0
     resident_bytes: int = 0
     fd: int | None = None  # the connection its messages arrive on, to match monitor events

@@ -170,7 +170,7 @@ class SchedulerProcess:
             self._frontend_lost(peer, f"silent for {silent:.1f} s")
         worker = self.worker
         # Mid-step the beats come from a thread that Python code of the step can delay a little.
-        limit = self.peer_timeout * (2 if worker is not None and worker.in_flight else 1)
+        limit = self.peer_timeout * (2 if self._steps_in_flight() else 1)
         if worker is not None and now - worker.last_seen > limit:
             self._worker_lost(f"silent for {now - worker.last_seen:.1f} s")
         lost = self.lost_since
@@ -180,6 +180,13 @@ class SchedulerProcess:
             log.error("%s: failing %d requests", self.no_worker_reason, len(self.owner))
             self._fail_all(self.no_worker_reason)
             self._tell_frontends()
+
+    def _steps_in_flight(self) -> int:
+        """Steps sent to the current worker whose results have not come back (the engine keeps
+        that ledger; a lost worker's steps are forgotten with it)."""
+        if self.worker is None or self.engine is None:
+            return 0
+        return self.engine.num_in_flight
 
     def _can_step(self) -> bool:
         """True if a step could be planned and sent right now."""
@@ -200,14 +207,13 @@ class SchedulerProcess:
             if step is None:
                 self._nothing_to_plan = True
                 return
-            self.worker.in_flight.append(step.step_id)
             self.workers.send(step, self.worker.peer)
 
     # -- frontends ---------------------------------------------------------------------------
 
     def _on_frontend(self, peer: bytes, message, fd: int | None) -> None:
         known = self.frontends_seen.heard(peer, time.monotonic(), fd)
-        if self.worker is not None and self.worker.in_flight:
+        if self._steps_in_flight():
             self.counters.messages_during_step += 1
         match message:
             case AddRequest():
@@ -370,20 +376,18 @@ class SchedulerProcess:
 
     def _step_done(self, peer: bytes, result: StepResult) -> None:
         worker = self.worker
-        if worker is None or peer != worker.peer or not worker.in_flight:
+        if worker is None or peer != worker.peer or not self._steps_in_flight():
             return
-        if result.step_id != worker.in_flight[0]:
+        if result.step_id != self.engine.in_flight[0].step_id:
             log.warning("stale result for step %d dropped", result.step_id)
             return
-        worker.in_flight.pop(0)
         worker.busy_s += result.forward_s
         worker.resident_bytes = result.resident_bytes or worker.resident_bytes
         self.counters.steps += 1
         started = time.perf_counter()
         if result.error is not None:
             log.error("worker refused step %d: %s; recomputing", result.step_id, result.error)
-            self.engine.worker_lost()
-            worker.in_flight.clear()  # their results are stale now: dropped when they come
+            self.engine.worker_lost()  # the steps in flight too: their results come stale
             return
         outputs = self.engine.apply(result)
         if self.config.audit:
@@ -427,8 +431,8 @@ class SchedulerProcess:
             num_steps_total=self.counters.steps,
             worker_ready=self.worker is not None,
             worker_busy_s_total=self.worker.busy_s if self.worker else 0.0,
-            step_in_flight=self.worker is not None and bool(self.worker.in_flight),
-            steps_in_flight=len(self.worker.in_flight) if self.worker is not None else 0,
+            step_in_flight=self._steps_in_flight() > 0,
+            steps_in_flight=self._steps_in_flight(),
             worker_resident_bytes=self.worker.resident_bytes if self.worker else 0,
             messages_during_step_total=self.counters.messages_during_step,
             scheduler_busy_s_total=self.counters.scheduler_s,
