@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker.shapes import padded_count, padded_length
+
 
 @dataclass(frozen=True)
 class PrefillSpan:
@@ -31,14 +33,22 @@ class PrefillSpan:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Where each new token's K/V goes and what each query attends to."""
+    """Where each new token's K/V goes and what each query attends to.
 
-    write_index: torch.Tensor  # (T,) flat cache index of each new token
+    Built with a ``trash_block``, the step is padded to bucketed sizes (``worker.shapes``):
+    ``num_tokens`` counts the padding tokens after the real ones, which write their K/V into
+    the trash block; decodes are padded with copies of the first decode, and every context
+    length with masked positions. The real rows' numbers do not depend on the padding.
+    """
+
+    write_index: torch.Tensor  # (T,) flat cache index of each new token, padding included
     decode_tokens: torch.Tensor | None  # (B,) batch positions of the decodes; None: all T are
+    decode_targets: torch.Tensor | None  # (B_real,) the real ones among them; None as above
     decode_blocks: torch.Tensor  # (B * M,) block ids of each decode's row, padded to M
     decode_bias: torch.Tensor  # (n_kv * B, 1, M * block_size) 0 on cached positions, else -inf
     prefills: list[PrefillSpan]
     block_size: int
+    num_tokens: int  # T: the real tokens, then the padding
 
     @classmethod
     def build(
@@ -49,8 +59,10 @@ class AttentionMetadata:
         n_kv_heads: int,
         dtype: torch.dtype,
         device: str,
+        trash_block: int | None = None,
     ) -> AttentionMetadata:
-        """From ``(block_table, start, num_new)`` per item, in batch order."""
+        """From ``(block_table, start, num_new)`` per item, in batch order; padded to bucketed
+        sizes when given the cache's ``trash_block``."""
         write, decodes, prefills, offset = [], [], [], 0
         for table, start, n in items:
             positions = range(start, start + n)
@@ -60,16 +72,41 @@ class AttentionMetadata:
             else:
                 prefills.append(_prefill_span(table, start, n, offset, block_size, device))
             offset += n
-        blocks, bias = _decode_batch(decodes, block_size, n_kv_heads, dtype)
-        tokens = None if not prefills else torch.tensor([d[0] for d in decodes], dtype=torch.long)
+        num_tokens, real_decodes = offset, len(decodes)
+        if trash_block is not None:
+            num_tokens = padded_count(offset)
+            trash = trash_block * block_size
+            write.extend(trash + i % block_size for i in range(offset, num_tokens))
+            decodes = _padded_decodes(decodes, offset, num_tokens, mixed=bool(prefills))
+        blocks, bias = _decode_batch(
+            decodes, block_size, n_kv_heads, dtype, trash_block is not None
+        )
+        tokens = targets = None
+        if prefills:
+            tokens = torch.tensor([d[0] for d in decodes], dtype=torch.long).to(device)
+            targets = tokens[:real_decodes]
         return cls(
             write_index=torch.tensor(write, dtype=torch.long, device=device),
-            decode_tokens=None if tokens is None else tokens.to(device),
+            decode_tokens=tokens,
+            decode_targets=targets,
             decode_blocks=blocks.to(device),
             decode_bias=bias.to(device),
             prefills=prefills,
             block_size=block_size,
+            num_tokens=num_tokens,
         )
+
+
+def _padded_decodes(decodes, offset: int, num_tokens: int, mixed: bool):
+    """Copies of the first decode. In a decode-only step, one per padding token: a single
+    batched attention covers all T rows. In a mixed step, enough to bucket the decode batch,
+    all at the first decode's own position. Their outputs are never used."""
+    if not decodes:
+        return decodes
+    if mixed:
+        return decodes + [decodes[0]] * (padded_count(len(decodes)) - len(decodes))
+    _, table, length = decodes[0]
+    return decodes + [(i, table, length) for i in range(offset, num_tokens)]
 
 
 def _prefill_span(table, start, n, offset, block_size, device) -> PrefillSpan:
@@ -82,11 +119,13 @@ def _prefill_span(table, start, n, offset, block_size, device) -> PrefillSpan:
     return PrefillSpan(offset, offset + n, start, blocks, mask)
 
 
-def _decode_batch(decodes, block_size, n_kv, dtype):
+def _decode_batch(decodes, block_size, n_kv, dtype, bucketed: bool):
     """Padded block ids (B * M,) and the additive mask (n_kv * B, 1, M * block_size)."""
     if not decodes:
         return torch.zeros(0, dtype=torch.long), torch.zeros(0, 1, 0, dtype=dtype)
     longest = max(-(-length // block_size) for _, _, length in decodes)
+    if bucketed:
+        longest = -(-padded_length(longest * block_size) // block_size)
     # Padding repeats the row's first block: any block in a table has been zeroed or written,
     # so it holds finite numbers (a NaN would survive its zero attention weight).
     padded = [
@@ -119,10 +158,10 @@ def paged_attention(q, kv, cache, meta: AttentionMetadata, scratch) -> torch.Ten
     cache.index_copy_(2, meta.write_index, kv.permute(1, 2, 0, 3))
     if not meta.prefills:
         return _decode(q, cache, meta, scratch)
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q)  # zeros, not empty: padding rows must stay finite
     if meta.decode_tokens.numel():
-        q_dec = q[meta.decode_tokens]
-        out[meta.decode_tokens] = _decode(q_dec, cache, meta, scratch)
+        decoded = _decode(q[meta.decode_tokens], cache, meta, scratch)
+        out[meta.decode_targets] = decoded[: meta.decode_targets.numel()]
     for span in meta.prefills:
         out[span.begin : span.end] = _prefill(q, kv, cache, span, meta.block_size)
     return out

@@ -6,6 +6,9 @@ head_dim)``, so a token's home is one index, ``block * block_size + offset``, an
 row's blocks gives each KV head's keys as one contiguous (L, head_dim) matrix, ready for a
 batched matmul without a transposing copy.
 
+One block more than ``num_blocks`` exists: ``trash_block``, which no row ever holds. The tokens
+that pad a step to a bucketed size (``worker.shapes``) write their K/V there.
+
 ``scratch`` hands out reusable buffers for those gathers: a fresh multi-megabyte tensor per
 layer would be a fresh mmap, and its page faults cost more than the copy itself.
 """
@@ -16,7 +19,7 @@ import torch
 
 
 class KVCache:
-    """The K/V pool: (num_layers, 2, n_kv_heads, num_blocks, block_size, head_dim)."""
+    """The K/V pool: (num_layers, 2, n_kv_heads, num_blocks + 1, block_size, head_dim)."""
 
     def __init__(
         self,
@@ -32,12 +35,13 @@ class KVCache:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_layers, 2, n_kv_heads, num_blocks, block_size, head_dim)
+        self.trash_block = num_blocks  # the one block past the ledger's
+        shape = (num_layers, 2, n_kv_heads, num_blocks + 1, block_size, head_dim)
         # zeros, not empty: every page is touched now, so the whole budget is resident from the
         # start and memory stays flat however the blocks are later reused (with empty, FIFO
         # block reuse touched new pages for hours), and a budget too big fails at start.
         self.pool = torch.zeros(shape, dtype=dtype, device=device)
-        flat = (num_layers, 2, n_kv_heads, num_blocks * block_size, head_dim)
+        flat = (num_layers, 2, n_kv_heads, (num_blocks + 1) * block_size, head_dim)
         self._flat = self.pool.view(flat)
         self._scratch: dict[str, torch.Tensor] = {}
 
@@ -50,7 +54,7 @@ class KVCache:
             self.pool.index_fill_(3, index, 0.0)
 
     def layer(self, index: int) -> torch.Tensor:
-        """K and V of one layer, (2, n_kv_heads, num_blocks * block_size, head_dim)."""
+        """K and V of one layer, (2, n_kv_heads, (num_blocks + 1) * block_size, head_dim)."""
         return self._flat[index]
 
     def scratch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:

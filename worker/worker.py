@@ -24,6 +24,7 @@ from worker.kv_cache import KVCache
 from worker.model import LlamaModel, ModelSpec
 from worker.rows import RowTable
 from worker.sampler import Sampler
+from worker.shapes import padded_count
 
 _MAX_DEFAULT_LEN = 8192
 _CPU_BUDGET_CAP = 4 << 30
@@ -147,12 +148,19 @@ class Worker:
             n_kv_heads=self.spec.n_kv_heads,
             dtype=self.dtype,
             device=self.device,
+            trash_block=self.cache.trash_block,
         )
+        # Padding tokens (id 0 at position 0) fill the step up to its bucketed size; so do
+        # copies of the first sampled row for the lm head (see worker.shapes).
+        padding = meta.num_tokens - len(ids)
+        ids.extend([0] * padding)
+        positions.extend([0] * padding)
+        sampled = last + last[:1] * (padded_count(len(last)) - len(last))
         with torch.inference_mode():
             ids_t = torch.tensor(ids, device=self.device)
             pos_t = torch.tensor(positions, device=self.device)
             hidden = self.model(ids_t, pos_t, meta, self.cache)  # (T, hidden)
-            return self.model.logits(hidden[last]).cpu()  # (S, vocab)
+            return self.model.logits(hidden[sampled])[: len(last)].cpu()  # (S, vocab)
 
     def reset(self) -> None:
         """Empty every row (a new scheduler knows nothing of them, or a step was refused)."""
