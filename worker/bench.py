@@ -37,6 +37,7 @@ def bench_forward(
     context: int,
     decode_steps: int = 4,
     num_threads: int | None = None,
+    q4_max_tokens: int = 8,
     profile: bool = False,
 ) -> list[BenchRow]:
     """Run the benchmark; returns one BenchRow per (dtype, batch size)."""
@@ -54,6 +55,7 @@ def bench_forward(
             num_slots=largest,
             block_size=block_size,
             num_threads=num_threads,
+            q4_max_tokens=q4_max_tokens,
             max_model_len=max(context + 2 * decode_steps + 2, block_size),
         )
         worker = Worker(config, progress=False)

@@ -18,6 +18,8 @@ class WorkerConfig:
     ``max_position_embeddings``, capped at 8192. ``num_threads`` sets torch's intra-op threads;
     None keeps torch's default, one per physical core, which measured best even beside the
     frontend and scheduler processes (they sleep while the worker computes).
+    ``q4_max_tokens``: on CPU in bfloat16, with a GGUF whose matrices are Q4_0 or Q4_1, steps of
+    at most this many tokens run on the file's own 4-bit weights (0: never).
     """
 
     model: str | None = None
@@ -30,6 +32,7 @@ class WorkerConfig:
     max_model_len: int | None = None
     seed: int = 0
     num_threads: int | None = None
+    q4_max_tokens: int = 8
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -42,6 +45,8 @@ class WorkerConfig:
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value)
+        if not isinstance(self.q4_max_tokens, int) or self.q4_max_tokens < 0:
+            raise ValueError(f"q4_max_tokens must be >= 0, got {self.q4_max_tokens!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -103,3 +104,52 @@ def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     half = rows // n_heads // 2
     # (n_heads, half, 2, cols) -> (n_heads, 2, half, cols)
     return weight.reshape(n_heads, half, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+@dataclass(frozen=True)
+class Q4Tensor:
+    """A 4-bit GGUF matrix kept as its own integers: weight = (q - 8) * scale + zero, per row
+    and group of 32 columns (Q4_1: d * q + m, so scale = d and zero = m + 8 * d)."""
+
+    q: torch.Tensor  # (N, K) int32 in [0, 16)
+    scale: torch.Tensor  # (N, K // 32) float32
+    zero: torch.Tensor  # (N, K // 32) float32
+
+
+def read_q4_tensors(
+    path: Path, architecture: str, n_heads: int, n_kv_heads: int
+) -> dict[str, Q4Tensor]:
+    """Every Q4_0 and Q4_1 matrix of the file by Hugging Face name, rows in Hugging Face order.
+    Other types are left out: their values have no exact 4-bit form."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    has_min = {GGMLQuantizationType.Q4_0: False, GGMLQuantizationType.Q4_1: True}
+    tensors = {}
+    for tensor in GGUFReader(str(path)).tensors:
+        if tensor.tensor_type not in has_min:
+            continue
+        name = hf_name(tensor.name)
+        q4 = _q4_blocks(np.asarray(tensor.data), has_min[tensor.tensor_type])
+        if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = n_heads if "q_proj" in name else n_kv_heads
+            q4 = Q4Tensor(*(unpermute_rope_rows(t, heads) for t in (q4.q, q4.scale, q4.zero)))
+        tensors[name] = q4
+    return tensors
+
+
+def _q4_blocks(data: np.ndarray, has_min: bool) -> Q4Tensor:
+    """Rows of ggml blocks -> integers and per-group scale and zero. A block of 32 weights is
+    an f16 scale d, (Q4_1 only) an f16 minimum m, then 16 bytes: weight j in the low nibble of
+    byte j, weight j + 16 in its high nibble."""
+    rows = data.shape[0]
+    header = 4 if has_min else 2
+    blocks = data.reshape(rows, -1, header + 16)  # (N, K / 32, bytes per block)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, K / 32)
+    nibbles = torch.from_numpy(blocks[..., header:].copy()).to(torch.int32)  # (N, K / 32, 16)
+    q = torch.cat((nibbles & 15, nibbles >> 4), dim=-1).reshape(rows, -1)  # (N, K)
+    if has_min:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d
+    else:
+        zero = np.zeros_like(d)  # Q4_0: d * (q - 8)
+    return Q4Tensor(q, torch.from_numpy(d), torch.from_numpy(zero))

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from nanoserve.model_files import ModelFiles
-from worker.gguf_reader import check_gguf, read_gguf_tensors
+from worker.gguf_reader import Q4Tensor, check_gguf, read_gguf_tensors, read_q4_tensors
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -82,6 +82,36 @@ def gguf_to_hf_dir(files: ModelFiles, progress: bool = True) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     return target
+
+
+def load_q4(files: ModelFiles, model_type: str, n_heads: int, n_kv_heads: int):
+    """A GGUF's 4-bit matrices (``read_q4_tensors``), cached beside its converted directory:
+    reading them from the GGUF means parsing its whole metadata (4 s here, mostly the
+    tokenizer's vocabulary); the cached copy maps in a fraction of a second."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = gguf_to_hf_dir(files, progress=False) / "q4" / "weights.safetensors"
+    if not path.is_file():
+        tensors = read_q4_tensors(files.source.resolve(), model_type, n_heads, n_kv_heads)
+        flat = {}
+        for name, q4 in tensors.items():
+            flat[f"{name}.q"] = q4.q.to(torch.uint8)  # values 0..15: a byte each on disk
+            flat[f"{name}.scale"], flat[f"{name}.zero"] = q4.scale, q4.zero
+        path.parent.mkdir(exist_ok=True)
+        staging = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        save_file(flat, str(staging))
+        staging.replace(path)  # atomic: a crash never leaves a half-written file behind
+    with safe_open(str(path), framework="pt") as handle:
+        names = {key.rpartition(".")[0] for key in handle.keys()}
+        return {
+            name: Q4Tensor(
+                handle.get_tensor(f"{name}.q").to(torch.int32),
+                handle.get_tensor(f"{name}.scale"),
+                handle.get_tensor(f"{name}.zero"),
+            )
+            for name in names
+        }
 
 
 def _load_config(directory: Path) -> Any:

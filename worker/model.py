@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.attention import AttentionMetadata, paged_attention
+from worker.gguf_reader import Q4Tensor
 from worker.kv_cache import KVCache
 from worker.rope import apply_rotary, inverse_frequencies, rope_parameters, rotary_cos_sin
 
@@ -78,9 +79,14 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """``nn.Linear`` that can trade its weight for oneDNN's pre-packed layout (``pack``): on
-    CPU in bfloat16 that runs 1.3-2x faster than ``F.linear`` at decode batch sizes."""
+    CPU in bfloat16 that runs 1.3-2x faster than ``F.linear`` at decode batch sizes.
+
+    It can also keep a 4-bit GGUF weight's own integers (``attach_q4``) for small steps.
+    """
 
     packed: torch.Tensor | None = None
+    q4: tuple[torch.Tensor, torch.Tensor] | None = None  # int4-packed weight, scales and zeros
+    q4_max_tokens: int = 0
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
@@ -96,7 +102,25 @@ class Linear(nn.Linear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 32)
         self.weight = None
 
+    def attach_q4(self, parts: list[Q4Tensor], max_tokens: int) -> None:
+        """Also keep this weight's 4-bit form (``parts`` stacked by rows, as ``fuse`` stacked
+        the float weights); steps of at most ``max_tokens`` tokens run on it. A small step
+        does little but stream the weights, and 4 bits stream 4x fewer bytes than bfloat16
+        (the kernel computes in bfloat16, so only on CPU in bfloat16)."""
+        q = torch.cat([part.q for part in parts])  # (N, K)
+        scale = torch.cat([part.scale for part in parts]).t()  # (K / 32, N)
+        zero = torch.cat([part.zero for part in parts]).t()
+        scales_zeros = torch.stack((scale, zero), dim=-1).to(torch.bfloat16).contiguous()
+        self.q4 = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros)
+        self.q4_max_tokens = max_tokens
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q4 is not None and x.shape[0] <= self.q4_max_tokens:
+            packed, scales_zeros = self.q4
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.contiguous(), packed, 32, scales_zeros
+            )
+            return out if self.bias is None else out.add_(self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -163,6 +187,14 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, intermediate) each
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # (T, hidden)
+
+
+_FUSED_PARTS = {  # the linears after ``fuse`` -> the checkpoint's matrices, stacked by rows
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -251,6 +283,18 @@ class LlamaModel(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
         return True
+
+    def attach_q4(self, tensors: dict[str, Q4Tensor], max_tokens: int) -> int:
+        """Give every fused linear whose parts are all 4-bit in ``tensors`` (Hugging Face names)
+        its 4-bit form for steps of at most ``max_tokens`` tokens; returns how many got one."""
+        attached = 0
+        for index, layer in enumerate(self.model.layers):
+            for fused, names in _FUSED_PARTS.items():
+                parts = [tensors.get(f"model.layers.{index}.{name}.weight") for name in names]
+                if None not in parts:
+                    layer.get_submodule(fused).attach_q4(parts, max_tokens)
+                    attached += 1
+        return attached
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, hidden) -> float32 (S, vocab)."""

@@ -57,6 +57,12 @@ def run_worker(
         ready.num_slots,
         ready.max_model_len,
     )
+    if worker.q4_linears:
+        log.info(
+            "%d linears also run on the GGUF's 4-bit weights, in steps of at most %d tokens",
+            worker.q4_linears,
+            config.q4_max_tokens,
+        )
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)

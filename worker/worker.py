@@ -43,6 +43,7 @@ class Worker:
         self.device = config.resolved_device
         self.dtype = getattr(torch, config.dtype)
         self.files = resolve_model(config.model)
+        self.q4_linears = 0  # linears that also hold 4-bit weights for small steps
         checkpoint = load_checkpoint(self.files, self.dtype, progress=progress)
         self.spec = ModelSpec.from_config(checkpoint.config)
         self.eos_token_ids = checkpoint.eos_token_ids
@@ -51,7 +52,8 @@ class Worker:
             self.model = LlamaModel(self.spec)
         self.model.load_weights(checkpoint.weights)
         self.model = self.model.to(self.device).eval()
-        self.model.pack_for_cpu()
+        if self.model.pack_for_cpu() and self.dtype == torch.bfloat16 and config.q4_max_tokens:
+            self._attach_q4(checkpoint.config.model_type)
         self.cache = self._make_cache()
         self.row_table = RowTable(
             num_slots=config.num_slots,
@@ -61,6 +63,15 @@ class Worker:
             seed=config.seed,
         )
         self.sampler = Sampler(self.eos_token_ids)
+
+    def _attach_q4(self, model_type: str) -> None:
+        """Small steps on the GGUF's own 4-bit matrices, where it has them (see ``Linear``)."""
+        from worker.loader import load_q4
+
+        if self.files.gguf_file is None:
+            return
+        tensors = load_q4(self.files, model_type, self.spec.n_heads, self.spec.n_kv_heads)
+        self.q4_linears = self.model.attach_q4(tensors, self.config.q4_max_tokens)
 
     def _make_cache(self) -> KVCache:
         spec, config = self.spec, self.config

@@ -17,6 +17,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--decode-steps", type=int, default=4, help="decode steps to average")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument(
+        "--q4-max-tokens",
+        type=int,
+        default=8,
+        help="steps of at most this many tokens run on the GGUF's 4-bit weights (bfloat16, CPU)",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="also print where each decode step's time goes"
     )
     parser.set_defaults(func=run)
@@ -32,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-sizes must be integers, got {args.batch_sizes!r}") from None
     if args.context < 1 or args.decode_steps < 1 or min(batch_sizes) < 1:
         raise ValueError("--context, --decode-steps and --batch-sizes must be positive")
+    if args.q4_max_tokens < 0:
+        raise ValueError("--q4-max-tokens must be >= 0")
     rows = bench_forward(
         model=args.model,
         dtypes=[d.strip() for d in args.dtypes.split(",")],
@@ -39,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         context=args.context,
         decode_steps=args.decode_steps,
         num_threads=args.threads,
+        q4_max_tokens=args.q4_max_tokens,
         profile=args.profile,
     )
     print(format_table(rows, args.context))

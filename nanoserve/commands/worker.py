@@ -35,6 +35,13 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=env("seed", 0, int))
     group.add_argument("--threads", type=int, default=env("threads", None, int))
     group.add_argument(
+        "--q4-max-tokens",
+        type=int,
+        default=env("q4_max_tokens", 8, int),
+        help="CPU, bfloat16, Q4_0/Q4_1 GGUF: steps of at most this many tokens run on the "
+        "file's own 4-bit weights (0: never; default 8)",
+    )
+    group.add_argument(
         "--debug-step-delay",
         type=float,
         default=env("debug_step_delay", 0.0, float),
@@ -66,6 +73,7 @@ def worker_config(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         seed=args.seed,
         num_threads=args.threads,
+        q4_max_tokens=args.q4_max_tokens,
     )
 
 

@@ -31,6 +31,7 @@ class Request:
     num_cached: int = 0
     recomputed: bool = False
     done: bool = False
+    forced: list[int] | None = None  # feed these tokens instead of the sampled ones
 
     @property
     def known(self) -> list[int]:
@@ -75,10 +76,11 @@ class Driver:
         by_id = {r.request_id: r for r in active}
         for sample, row_logits in zip(result.samples, logits, strict=True):
             req = by_id[sample.request_id]
-            req.output.append(sample.token_id)
+            token = sample.token_id if req.forced is None else req.forced[len(req.output)]
+            req.output.append(token)
             req.logits.append(row_logits)
             req.samples.append(sample)
-            if len(req.output) >= req.max_new or sample.token_id in self.eos:
+            if len(req.output) >= req.max_new or token in self.eos:
                 req.done = True
                 self._release(req)
         if result.rows is not None:

@@ -1,0 +1,94 @@
+"""Small steps on a GGUF's own 4-bit weights: the blocks read exactly, the linear computes what
+the dequantized matrix does, and the real model stays as close to float32 as bfloat16 does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.gguf_reader import Q4Tensor, _q4_blocks, read_q4_tensors, unpermute_rope_rows
+from worker.model import Linear
+
+needs_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="the 4-bit path runs on CPU with oneDNN"
+)
+
+
+def _ggml_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random Q4_0 or Q4_1 rows as ggml lays them out: (rows, blocks * bytes per block)."""
+    rng = np.random.default_rng(seed)
+    groups = cols // 32
+    d = rng.uniform(0.01, 0.1, (rows, groups, 1)).astype(np.float16).view(np.uint8)
+    header = [d]
+    if kind == "Q4_1":
+        header.append(rng.uniform(-0.5, 0.0, (rows, groups, 1)).astype(np.float16).view(np.uint8))
+    nibbles = rng.integers(0, 256, (rows, groups, 16), dtype=np.uint8)
+    return np.concatenate(header + [nibbles], axis=-1).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_q4_blocks_equal_ggufs_own_dequantize(kind):
+    from gguf import GGMLQuantizationType, dequantize
+
+    data = _ggml_blocks(kind, rows=6, cols=64, seed=1)
+    want = dequantize(data, GGMLQuantizationType[kind]).reshape(6, 64)
+    got = _q4_blocks(data, has_min=kind == "Q4_1")
+    weight = (got.q - 8) * got.scale.repeat_interleave(32, 1) + got.zero.repeat_interleave(32, 1)
+    assert got.q.min() >= 0 and got.q.max() <= 15
+    assert np.allclose(weight.numpy(), want, rtol=0, atol=1e-6)
+
+
+def _random_q4(rows: int, cols: int, seed: int) -> Q4Tensor:
+    return _q4_blocks(_ggml_blocks("Q4_1", rows, cols, seed), has_min=True)
+
+
+def _dequantized(q4: Q4Tensor) -> torch.Tensor:
+    """The float32 matrix: the scales rounded to bfloat16 first, as the kernel reads them."""
+    scale = q4.scale.bfloat16().float().repeat_interleave(32, 1)
+    zero = q4.zero.bfloat16().float().repeat_interleave(32, 1)
+    return (q4.q - 8) * scale + zero
+
+
+@needs_onednn
+def test_q4_linear_computes_the_stacked_dequantized_matrix_on_small_steps_only():
+    parts = [_random_q4(96, 128, seed) for seed in (2, 3)]  # stacked by rows, as fuse does
+    weight = torch.cat([_dequantized(p) for p in parts])  # (192, 128)
+    bias = torch.randn(192, generator=torch.Generator().manual_seed(4)).bfloat16()
+    layer = Linear.of(weight.bfloat16(), bias.clone())
+    layer.pack()
+    layer.attach_q4(parts, max_tokens=3)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    small = layer(x[:3]).float()
+    want = F.linear(x[:3].float(), weight, bias.float())
+    assert (small - want).abs().max().item() < 0.05 * want.abs().max().item()
+    # A step of more tokens takes the bfloat16 matrix: exactly the packed linear's numbers.
+    large = layer(x)
+    layer.q4 = None
+    assert torch.equal(large, layer(x))
+    assert not torch.equal(small, layer(x[:3]).float())  # the small step did take another path
+
+
+@pytest.mark.slow
+def test_real_q4_rows_are_the_gguf_rows_in_hugging_face_order():
+    from gguf import GGUFReader, dequantize
+
+    from nanoserve.model_files import resolve_model
+
+    path = resolve_model(None).source
+    tensors = read_q4_tensors(path, "llama", n_heads=9, n_kv_heads=3)
+    assert len(tensors) == 30 * 7  # every layer's q, k, v, o, gate, up, down
+    raw = {t.name: t for t in GGUFReader(str(path)).tensors}
+    for gguf_name, hf, heads in (
+        ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 9),
+        ("blk.5.attn_k.weight", "model.layers.5.self_attn.k_proj.weight", 3),
+        ("blk.29.ffn_down.weight", "model.layers.29.mlp.down_proj.weight", None),
+    ):
+        tensor = raw[gguf_name]
+        want = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
+        if heads:
+            want = unpermute_rope_rows(want, heads)
+        q4 = tensors[hf]
+        got = (q4.q - 8) * q4.scale.repeat_interleave(32, 1) + q4.zero.repeat_interleave(32, 1)
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-6)
