@@ -111,7 +111,7 @@ class Q4Tensor:
     """A 4-bit GGUF matrix kept as its own integers: weight = (q - 8) * scale + zero, per row
     and group of 32 columns (Q4_1: d * q + m, so scale = d and zero = m + 8 * d)."""
 
-    q: torch.Tensor  # (N, K) int32 in [0, 16)
+    q: torch.Tensor  # (N, K) uint8 in [0, 16)
     scale: torch.Tensor  # (N, K // 32) float32
     zero: torch.Tensor  # (N, K // 32) float32
 
@@ -145,7 +145,7 @@ def _q4_blocks(data: np.ndarray, has_min: bool) -> Q4Tensor:
     header = 4 if has_min else 2
     blocks = data.reshape(rows, -1, header + 16)  # (N, K / 32, bytes per block)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, K / 32)
-    nibbles = torch.from_numpy(blocks[..., header:].copy()).to(torch.int32)  # (N, K / 32, 16)
+    nibbles = torch.from_numpy(blocks[..., header:].copy())  # (N, K / 32, 16) uint8
     q = torch.cat((nibbles & 15, nibbles >> 4), dim=-1).reshape(rows, -1)  # (N, K)
     if has_min:
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)

@@ -96,7 +96,7 @@ def load_q4(files: ModelFiles, model_type: str, n_heads: int, n_kv_heads: int):
         tensors = read_q4_tensors(files.source.resolve(), model_type, n_heads, n_kv_heads)
         flat = {}
         for name, q4 in tensors.items():
-            flat[f"{name}.q"] = q4.q.to(torch.uint8)  # values 0..15: a byte each on disk
+            flat[f"{name}.q"] = q4.q  # uint8, values 0..15
             flat[f"{name}.scale"], flat[f"{name}.zero"] = q4.scale, q4.zero
         path.parent.mkdir(exist_ok=True)
         staging = path.with_name(f"{path.name}.tmp{os.getpid()}")
@@ -106,7 +106,7 @@ def load_q4(files: ModelFiles, model_type: str, n_heads: int, n_kv_heads: int):
         names = {key.rpartition(".")[0] for key in handle.keys()}
         return {
             name: Q4Tensor(
-                handle.get_tensor(f"{name}.q").to(torch.int32),
+                handle.get_tensor(f"{name}.q"),
                 handle.get_tensor(f"{name}.scale"),
                 handle.get_tensor(f"{name}.zero"),
             )

@@ -107,7 +107,9 @@ class Linear(nn.Linear):
         the float weights); steps of at most ``max_tokens`` tokens run on it. A small step
         does little but stream the weights, and 4 bits stream 4x fewer bytes than bfloat16
         (the kernel computes in bfloat16, so only on CPU in bfloat16)."""
-        q = torch.cat([part.q for part in parts])  # (N, K)
+        # int32 only here, one matrix at a time: the kernel's packer wants it, and int32 copies
+        # of every matrix at once would leave hundreds of MiB of freed heap resident.
+        q = torch.cat([part.q for part in parts]).to(torch.int32)  # (N, K)
         scale = torch.cat([part.scale for part in parts]).t()  # (K / 32, N)
         zero = torch.cat([part.zero for part in parts]).t()
         scales_zeros = torch.stack((scale, zero), dim=-1).to(torch.bfloat16).contiguous()

@@ -35,8 +35,10 @@ def test_q4_blocks_equal_ggufs_own_dequantize(kind):
     data = _ggml_blocks(kind, rows=6, cols=64, seed=1)
     want = dequantize(data, GGMLQuantizationType[kind]).reshape(6, 64)
     got = _q4_blocks(data, has_min=kind == "Q4_1")
-    weight = (got.q - 8) * got.scale.repeat_interleave(32, 1) + got.zero.repeat_interleave(32, 1)
-    assert got.q.min() >= 0 and got.q.max() <= 15
+    weight = (got.q.int() - 8) * got.scale.repeat_interleave(32, 1) + got.zero.repeat_interleave(
+        32, 1
+    )
+    assert got.q.dtype == torch.uint8 and got.q.max() <= 15
     assert np.allclose(weight.numpy(), want, rtol=0, atol=1e-6)
 
 
@@ -48,7 +50,7 @@ def _dequantized(q4: Q4Tensor) -> torch.Tensor:
     """The float32 matrix: the scales rounded to bfloat16 first, as the kernel reads them."""
     scale = q4.scale.bfloat16().float().repeat_interleave(32, 1)
     zero = q4.zero.bfloat16().float().repeat_interleave(32, 1)
-    return (q4.q - 8) * scale + zero
+    return (q4.q.int() - 8) * scale + zero
 
 
 @needs_onednn
@@ -90,5 +92,7 @@ def test_real_q4_rows_are_the_gguf_rows_in_hugging_face_order():
         if heads:
             want = unpermute_rope_rows(want, heads)
         q4 = tensors[hf]
-        got = (q4.q - 8) * q4.scale.repeat_interleave(32, 1) + q4.zero.repeat_interleave(32, 1)
+        got = (q4.q.int() - 8) * q4.scale.repeat_interleave(32, 1) + q4.zero.repeat_interleave(
+            32, 1
+        )
         assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-6)
