@@ -72,3 +72,10 @@ def test_kv_budget_too_small_for_one_request(tiny, tmp_path):
 def test_generate_without_a_prompts_file(tmp_path):
     missing = tmp_path / "nope.jsonl"
     _assert_one_line_error(_nanoserve("generate", "--prompts-file", str(missing)), "nope.jsonl")
+
+
+def test_negative_q4_max_tokens():
+    _assert_one_line_error(_nanoserve("worker", "--q4-max-tokens", "-1"), "q4_max_tokens", "-1")
+    _assert_one_line_error(
+        _nanoserve("bench", "forward", "--q4-max-tokens", "-1"), "--q4-max-tokens"
+    )
