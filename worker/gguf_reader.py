@@ -92,10 +92,17 @@ def read_gguf_tensors(
         array = dequantize(tensor.data, kind).astype(np.float32, copy=False)
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         weight = torch.from_numpy(array.reshape(shape).copy())
-        if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = n_heads if "q_proj" in name else n_kv_heads
+        heads = _permuted_heads(name, architecture, n_heads, n_kv_heads)
+        if heads:
             weight = unpermute_rope_rows(weight, heads)
         yield name, weight, total
+
+
+def _permuted_heads(name: str, architecture: str, n_heads: int, n_kv_heads: int) -> int | None:
+    """The head count of a matrix whose rows llama.cpp permuted (Llama's q and k), else None."""
+    if architecture != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
+        return None
+    return n_heads if "q_proj" in name else n_kv_heads
 
 
 def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -130,8 +137,8 @@ def read_q4_tensors(
             continue
         name = hf_name(tensor.name)
         q4 = _q4_blocks(np.asarray(tensor.data), has_min[tensor.tensor_type])
-        if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = n_heads if "q_proj" in name else n_kv_heads
+        heads = _permuted_heads(name, architecture, n_heads, n_kv_heads)
+        if heads:
             q4 = Q4Tensor(*(unpermute_rope_rows(t, heads) for t in (q4.q, q4.scale, q4.zero)))
         tensors[name] = q4
     return tensors
@@ -144,12 +151,13 @@ def _q4_blocks(data: np.ndarray, has_min: bool) -> Q4Tensor:
     rows = data.shape[0]
     header = 4 if has_min else 2
     blocks = data.reshape(rows, -1, header + 16)  # (N, K / 32, bytes per block)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, K / 32)
+    d = _f16_field(blocks, 0)  # (N, K / 32)
+    zero = _f16_field(blocks, 2) + 8 * d if has_min else np.zeros_like(d)  # Q4_0: d * (q - 8)
     nibbles = torch.from_numpy(blocks[..., header:].copy())  # (N, K / 32, 16) uint8
     q = torch.cat((nibbles & 15, nibbles >> 4), dim=-1).reshape(rows, -1)  # (N, K)
-    if has_min:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zero = m + 8 * d
-    else:
-        zero = np.zeros_like(d)  # Q4_0: d * (q - 8)
     return Q4Tensor(q, torch.from_numpy(d), torch.from_numpy(zero))
+
+
+def _f16_field(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The float16 at byte ``offset`` of every block, as float32: (N, K / 32)."""
+    return blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
