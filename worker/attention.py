@@ -45,6 +45,7 @@ class AttentionMetadata:
     decode_tokens: torch.Tensor | None  # (B,) batch positions of the decodes; None: all T are
     decode_targets: torch.Tensor | None  # (B_real,) the real ones among them; None as above
     decode_blocks: torch.Tensor  # (B * M,) block ids of each decode's row, padded to M
+    decode_lengths: torch.Tensor  # (B,) each decode's context length, its new token included
     decode_bias: torch.Tensor  # (n_kv * B, 1, M * block_size) 0 on cached positions, else -inf
     prefills: list[PrefillSpan]
     block_size: int
@@ -78,7 +79,7 @@ class AttentionMetadata:
             trash = trash_block * block_size
             write.extend(trash + i % block_size for i in range(offset, num_tokens))
             decodes = _padded_decodes(decodes, offset, num_tokens, mixed=bool(prefills))
-        blocks, bias = _decode_batch(
+        blocks, lengths, bias = _decode_batch(
             decodes, block_size, n_kv_heads, dtype, trash_block is not None
         )
         tokens = targets = None
@@ -90,6 +91,7 @@ class AttentionMetadata:
             decode_tokens=tokens,
             decode_targets=targets,
             decode_blocks=blocks.to(device),
+            decode_lengths=lengths.to(device),
             decode_bias=bias.to(device),
             prefills=prefills,
             block_size=block_size,
@@ -120,9 +122,11 @@ def _prefill_span(table, start, n, offset, block_size, device) -> PrefillSpan:
 
 
 def _decode_batch(decodes, block_size, n_kv, dtype, bucketed: bool):
-    """Padded block ids (B * M,) and the additive mask (n_kv * B, 1, M * block_size)."""
+    """Padded block ids (B * M,), lengths (B,) and the additive mask (n_kv * B, 1,
+    M * block_size)."""
     if not decodes:
-        return torch.zeros(0, dtype=torch.long), torch.zeros(0, 1, 0, dtype=dtype)
+        empty = torch.zeros(0, dtype=torch.long)
+        return empty, empty, torch.zeros(0, 1, 0, dtype=dtype)
     longest = max(-(-length // block_size) for _, _, length in decodes)
     if bucketed:
         longest = -(-padded_length(longest * block_size) // block_size)
@@ -136,7 +140,7 @@ def _decode_batch(decodes, block_size, n_kv, dtype, bucketed: bool):
     keep = torch.arange(longest * block_size)[None, :] < lengths[:, None]  # (B, L)
     bias = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
     bias = bias[None].expand(n_kv, -1, -1).reshape(n_kv * len(decodes), 1, -1)
-    return torch.tensor(padded, dtype=torch.long).view(-1), bias
+    return torch.tensor(padded, dtype=torch.long).view(-1), lengths, bias
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, out=None):

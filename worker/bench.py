@@ -38,6 +38,7 @@ def bench_forward(
     decode_steps: int = 4,
     num_threads: int | None = None,
     q4_max_tokens: int = 8,
+    compile: bool = False,
     profile: bool = False,
 ) -> list[BenchRow]:
     """Run the benchmark; returns one BenchRow per (dtype, batch size)."""
@@ -56,6 +57,7 @@ def bench_forward(
             block_size=block_size,
             num_threads=num_threads,
             q4_max_tokens=q4_max_tokens,
+            compile=compile,
             max_model_len=max(context + 2 * decode_steps + 2, block_size),
         )
         worker = Worker(config, progress=False)

@@ -20,6 +20,8 @@ class WorkerConfig:
     frontend and scheduler processes (they sleep while the worker computes).
     ``q4_max_tokens``: on CPU in bfloat16, with a GGUF whose matrices are Q4_0 or Q4_1, steps of
     at most this many tokens run on the file's own 4-bit weights (0: never).
+    ``compile``: on CPU, decode-only steps of at most 8 rows run as one ``torch.compile``d graph
+    (``worker.compiled``); compiling adds about two minutes to the first start.
     """
 
     model: str | None = None
@@ -33,6 +35,7 @@ class WorkerConfig:
     seed: int = 0
     num_threads: int | None = None
     q4_max_tokens: int = 8
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -53,6 +53,11 @@ class KVCache:
             index = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)
             self.pool.index_fill_(3, index, 0.0)
 
+    def layers(self) -> torch.Tensor:
+        """Every layer's K and V, (num_layers, 2, n_kv_heads, (num_blocks + 1) * block_size,
+        head_dim)."""
+        return self._flat
+
     def layer(self, index: int) -> torch.Tensor:
         """K and V of one layer, (2, n_kv_heads, (num_blocks + 1) * block_size, head_dim)."""
         return self._flat[index]

@@ -7,7 +7,9 @@ bottom-up: norm, attention, MLP, decoder layer, model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,6 +20,11 @@ from worker.attention import AttentionMetadata, paged_attention
 from worker.gguf_reader import Q4Tensor
 from worker.kv_cache import KVCache
 from worker.rope import apply_rotary, inverse_frequencies, rope_parameters, rotary_cos_sin
+
+# One layer's attention: q (T, n_heads, hd) and the new k/v (T, 2, n_kv, hd) -> (T, n_heads, hd).
+# The model does not care where K/V live: eager steps attend over the paged cache
+# (``paged_attention``), compiled decode steps over a read-only view of it (``worker.compiled``).
+Attend = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -154,7 +161,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear.of(torch.cat([p.weight for p in parts]), bias)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, cos, sin, cache: torch.Tensor, meta, scratch):
+    def forward(self, x, cos, sin, attend: Attend):
         tokens, nq, nkv = x.shape[0], self.n_heads, self.n_kv
         qkv = self.qkv_proj(x)  # (T, (nq + 2 * nkv) * hd)
         qkv = qkv.view(tokens, nq + 2 * nkv, self.head_dim)
@@ -165,7 +172,7 @@ class Attention(nn.Module):
         # Rotated in place, so k and v stay side by side in qkv: one cache write for both.
         apply_rotary(qk, cos, sin, out=qk)
         kv = qkv[:, nq:].view(tokens, 2, nkv, self.head_dim)
-        out = paged_attention(qkv[:, :nq], kv, cache, meta, scratch)  # (T, nq, hd)
+        out = attend(qkv[:, :nq], kv)  # (T, nq, hd)
         return self.o_proj(out.reshape(tokens, nq * self.head_dim))
 
 
@@ -213,9 +220,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, cos, sin, cache, meta, scratch):
+    def forward(self, x, cos, sin, attend: Attend):
         # Residuals added in place into the fresh sublayer outputs (a + b == b + a exactly).
-        x = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, scratch).add_(x)
+        x = self.self_attn(self.input_layernorm(x), cos, sin, attend).add_(x)
         return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
@@ -269,8 +276,17 @@ class LlamaModel(nn.Module):
         """input_ids, positions (T,) -> hidden states (T, hidden), K/V written into ``cache``."""
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)  # (T, 1, hd) each
-        for index, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache.layer(index), meta, cache.scratch)
+        attends = [
+            partial(paged_attention, cache=cache.layer(index), meta=meta, scratch=cache.scratch)
+            for index in range(self.spec.num_layers)
+        ]
+        return self.run_layers(x, cos, sin, attends)
+
+    def run_layers(self, x, cos, sin, attends: list[Attend]) -> torch.Tensor:
+        """Embedded tokens x (T, hidden) and their rotary cos/sin (T, 1, hd) -> final hidden
+        states (T, hidden); layer i's attention is ``attends[i]``."""
+        for layer, attend in zip(self.model.layers, attends, strict=True):
+            x = layer(x, cos, sin, attend)
         return self.model.norm(x)
 
     def pack_for_cpu(self) -> bool:

@@ -43,7 +43,8 @@ def run_worker(
     ``step_delay_s`` slows every step down on purpose, for tests that show the scheduler keeps
     taking requests while the worker computes.
     """
-    from worker.worker import Worker  # torch loads here, not at import time of this module
+    from worker.compiled import MAX_BATCH  # torch loads here, not at import time of this module
+    from worker.worker import Worker
 
     worker = Worker(config)
     ready = worker.ready()
@@ -62,6 +63,12 @@ def run_worker(
             "%d linears also run on the GGUF's 4-bit weights, in steps of at most %d tokens",
             worker.q4_linears,
             config.q4_max_tokens,
+        )
+    if worker.compiled is not None:
+        log.info(
+            "decode steps of at most %d rows run compiled (compiled or loaded in %.1f s)",
+            MAX_BATCH,
+            worker.compiled.warm_up_s,
         )
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)

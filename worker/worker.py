@@ -63,6 +63,9 @@ class Worker:
             seed=config.seed,
         )
         self.sampler = Sampler(self.eos_token_ids)
+        self.compiled = None
+        if config.compile:
+            self._compile()
 
     def _attach_q4(self, model_type: str) -> None:
         """Small steps on the GGUF's own 4-bit matrices, where it has them (see ``Linear``)."""
@@ -72,6 +75,14 @@ class Worker:
             return
         tensors = load_q4(self.files, model_type, self.spec.n_heads, self.spec.n_kv_heads)
         self.q4_linears = self.model.attach_q4(tensors, self.config.q4_max_tokens)
+
+    def _compile(self) -> None:
+        from worker.compiled import CompiledDecode
+
+        if self.device != "cpu":
+            raise ValueError(f"compile runs on CPU only, not on {self.device}")
+        self.compiled = CompiledDecode(self.model, self.cache)
+        self.compiled.warm_up()
 
     def _make_cache(self) -> KVCache:
         spec, config = self.spec, self.config
@@ -153,24 +164,27 @@ class Worker:
             if item.sample:
                 last.append(len(ids) - 1)
             spans.append((row.block_table, item.start, len(tokens)))
-        meta = AttentionMetadata.build(
-            spans,
-            block_size=self.config.block_size,
-            n_kv_heads=self.spec.n_kv_heads,
-            dtype=self.dtype,
-            device=self.device,
-            trash_block=self.cache.trash_block,
-        )
-        # Padding tokens (id 0 at position 0) fill the step up to its bucketed size; so do
-        # copies of the first sampled row for the lm head (see worker.shapes).
-        padding = meta.num_tokens - len(ids)
-        ids.extend([0] * padding)
-        positions.extend([0] * padding)
-        sampled = last + last[:1] * (padded_count(len(last)) - len(last))
-        with torch.inference_mode():
+        with torch.inference_mode():  # everything, the metadata too: compiled graphs guard on it
+            meta = AttentionMetadata.build(
+                spans,
+                block_size=self.config.block_size,
+                n_kv_heads=self.spec.n_kv_heads,
+                dtype=self.dtype,
+                device=self.device,
+                trash_block=self.cache.trash_block,
+            )
+            # Padding tokens (id 0 at position 0) fill the step up to its bucketed size; so do
+            # copies of the first sampled row for the lm head (see worker.shapes).
+            padding = meta.num_tokens - len(ids)
+            ids.extend([0] * padding)
+            positions.extend([0] * padding)
+            sampled = last + last[:1] * (padded_count(len(last)) - len(last))
             ids_t = torch.tensor(ids, device=self.device)
             pos_t = torch.tensor(positions, device=self.device)
-            hidden = self.model(ids_t, pos_t, meta, self.cache)  # (T, hidden)
+            if self.compiled is not None and self.compiled.accepts(meta):
+                hidden = self.compiled(ids_t, pos_t, meta)  # (T, hidden)
+            else:
+                hidden = self.model(ids_t, pos_t, meta, self.cache)
             return self.model.logits(hidden[sampled])[: len(last)].cpu()  # (S, vocab)
 
     def reset(self) -> None:

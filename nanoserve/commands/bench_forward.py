@@ -23,6 +23,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="steps of at most this many tokens run on the GGUF's 4-bit weights (bfloat16, CPU)",
     )
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="run small decode steps compiled, as `nanoserve worker --compile` (CPU)",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="also print where each decode step's time goes"
     )
     parser.set_defaults(func=run)
@@ -48,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         decode_steps=args.decode_steps,
         num_threads=args.threads,
         q4_max_tokens=args.q4_max_tokens,
+        compile=args.compile,
         profile=args.profile,
     )
     print(format_table(rows, args.context))

@@ -42,6 +42,13 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         "file's own 4-bit weights (0: never; default 8)",
     )
     group.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=env("compile", False, bool),
+        help="CPU: run decode steps of at most 4 rows as one torch.compile'd graph (the first "
+        "start compiles for minutes; later starts read inductor's cache)",
+    )
+    group.add_argument(
         "--debug-step-delay",
         type=float,
         default=env("debug_step_delay", 0.0, float),
@@ -74,6 +81,7 @@ def worker_config(args: argparse.Namespace):
         seed=args.seed,
         num_threads=args.threads,
         q4_max_tokens=args.q4_max_tokens,
+        compile=args.compile,
     )
 
 

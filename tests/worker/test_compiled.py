@@ -1,0 +1,64 @@
+"""Compiled decode steps (``--compile``) on the seeded tiny Llama: the same greedy tokens and
+logits as transformers in float32, in every batching scenario, with the pool NaN-poisoned so a
+read of anything the step should not touch would show; and which steps run compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_logits, make_worker
+from driver import Driver, greedy_requests
+from test_tiny_exact import LOGIT_TOL, PROMPTS, check, reference
+
+from worker.compiled import MAX_BATCH
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_dir):
+    return reference(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def compiled_worker(tiny_dir):
+    """One compiled worker for the module: compiling takes tens of seconds."""
+    worker = make_worker(tiny_dir, compile=True)
+    assert worker.compiled.steps == 3  # warm-up: batches 1, 2 and MAX_BATCH
+    return worker
+
+
+@pytest.mark.parametrize("scenario", ["alone", "batched", "chunked", "recompute"])
+def test_compiled_matches_transformers(compiled_worker, tiny_reference, scenario):
+    model, expected = tiny_reference
+    before = compiled_worker.compiled.steps
+    check(compiled_worker, model, expected, scenario)
+    # Most decode steps ran compiled (four prompts: every decode-only step has <= 4 rows).
+    assert compiled_worker.compiled.steps - before >= 15
+
+
+def test_bigger_decode_batches_and_mixed_steps_stay_eager(compiled_worker, tiny_reference):
+    model, _ = tiny_reference
+    prompts = PROMPTS + [[1, 9, 8, 7], [1, 3]]  # six rows: decode steps above MAX_BATCH
+    assert len(prompts) > MAX_BATCH
+    driver = Driver(compiled_worker)
+    before = compiled_worker.compiled.steps
+    requests = driver.run(greedy_requests(prompts, 6))
+    for req in requests:
+        ref = hf_logits(model, req.known[:-1])[len(req.prompt) - 1 :]
+        assert (torch.stack(req.logits) - ref).abs().max().item() < LOGIT_TOL
+    # All six prefill together, then decode together: nothing here is small enough.
+    assert compiled_worker.compiled.steps == before
+
+
+def test_bfloat16_compiled_stays_close_to_eager(tiny_dir):
+    eager = make_worker(tiny_dir, dtype="bfloat16")
+    compiled = make_worker(tiny_dir, dtype="bfloat16", compile=True)
+    runs = []
+    for worker in (eager, compiled):
+        requests = greedy_requests(PROMPTS[:2], 12)
+        for req in requests:  # both runs feed the same tokens, whatever each one samples
+            req.forced = list(range(40, 52))
+        runs.append(Driver(worker).run(requests))
+    assert compiled.compiled.steps > 3
+    for ours, theirs in zip(*runs, strict=True):
+        # bfloat16 rounds in other places when fused (the attention here runs in float32).
+        assert (torch.stack(ours.logits) - torch.stack(theirs.logits)).abs().max().item() < 0.1

@@ -1,0 +1,174 @@
+"""Compiled small decode steps (``--compile``): one inductor graph runs a whole decode step.
+
+At batch 1 an eager decode step is some 400 small operators, and their dispatch costs about as
+much as streaming the weights. ``CompiledDecode`` hands decode-only steps of at most
+``MAX_BATCH`` rows to ``torch.compile``: norms, rotary, the attention and the SwiGLU become a few
+fused C++ loops per layer around the same linear kernels (the 4-bit ones included).
+
+The graph never writes the cache. Each layer attends over its cached positions (read straight
+from the pool by block id, with no gathered copy) plus the new token's own k/v, and returns the
+new K/V; one ``index_copy_`` after the graph writes every layer's at once. A write inside the
+graph would make inductor copy the whole pool to keep the graph functional.
+
+Compiling takes about a minute per shape family on two cores, so the worker compiles at start
+(``warm_up``), before it announces itself; inductor caches the result on disk, and later starts
+take seconds. Steps with prefills, and bigger decode batches, stay eager.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from worker.attention import AttentionMetadata
+from worker.kv_cache import KVCache
+from worker.model import LlamaModel
+from worker.rope import rotary_cos_sin
+
+# Decode-only steps of at most this many rows (padding included) run compiled. The fused
+# attention loop costs about 70 us per row and layer, so at 8 rows the eager step (batched
+# matmuls over gathered K/V) is faster again (35.5 against 32.4 ms measured); at 4, 20 vs 30.
+MAX_BATCH = 4
+
+
+class CompiledDecode:
+    """The compiled decode step of one model over one cache."""
+
+    def __init__(self, model: LlamaModel, cache: KVCache) -> None:
+        _allow_packed_linears()
+        self.model, self.cache = model, cache
+        self.steps = 0  # steps run compiled, warm-up included
+        self.warm_up_s = 0.0  # how long ``warm_up`` took: compiling, or reading inductor's cache
+        self._graph = torch.compile(
+            _decode_graph,
+            fullgraph=True,
+            # This worker's graphs only: guards skip the modules (below), so another model's
+            # graphs must never be candidates.
+            isolate_recompiles=True,
+            options={
+                # Block ids come from the worker's own checked tables; a bounds check per
+                # element would cost more than the load it guards.
+                "assert_indirect_indexing": False,
+                # The oneDNN fusion passes assume weights inductor packed itself (freezing).
+                "pattern_matcher": False,
+                # The model's modules never change after start: checking them every step costs
+                # about a millisecond.
+                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+            },
+        )
+
+    def accepts(self, meta: AttentionMetadata) -> bool:
+        """Whether this step runs compiled: decodes only, at most ``MAX_BATCH`` rows."""
+        return not meta.prefills and meta.num_tokens <= MAX_BATCH
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Like ``LlamaModel.forward`` for an accepted step: input_ids, positions (B,) ->
+        hidden states (B, hidden), with the new K/V written into the cache."""
+        batch = input_ids.shape[0]
+        blocks = meta.decode_blocks.view(batch, -1)  # (B, M)
+        cos, sin = rotary_cos_sin(self.model.inv_freq, positions, self.cache.pool.dtype)
+        args = (input_ids, cos, sin, blocks, meta.decode_lengths - 1)
+        if batch > 1:  # one graph for every batch of 2..MAX_BATCH rows; batch 1 has its own
+            for tensor in args:
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        torch._dynamo.maybe_mark_dynamic(blocks, 1)
+        layers = self.cache.layers()  # (num_layers, 2, n_kv, S, hd)
+        torch._dynamo.maybe_mark_dynamic(layers, 3)  # one graph whatever the pool's size
+        hidden, new_kv = self._graph(self.model, layers, self.cache.block_size, *args)
+        # new_kv (num_layers, B, 2, n_kv, hd) -> (num_layers * 2, n_kv, B, hd), as the pool.
+        num_layers, _, two, n_kv, hd = new_kv.shape
+        columns = new_kv.permute(0, 2, 3, 1, 4).reshape(num_layers * two, n_kv, batch, hd)
+        layers.view(num_layers * two, n_kv, -1, hd).index_copy_(2, meta.write_index, columns)
+        self.steps += 1
+        return hidden
+
+    def warm_up(self) -> None:
+        """Compile every graph a step can meet now, on steps that read and write only the trash
+        block: batch 1; batches of 2 and more; and ``MAX_BATCH``, which may fall on the other
+        side of the 4-bit linears' limit (usually the same graph as 2, then a cache hit)."""
+        began = time.perf_counter()
+        for batch in (1, 2, MAX_BATCH):
+            # Built under inference mode like the worker's own tensors: dynamo guards on it.
+            with torch.inference_mode():
+                ids = torch.zeros(batch, dtype=torch.long, device=self.cache.pool.device)
+                trash = self.cache.trash_block
+                meta = AttentionMetadata(
+                    write_index=torch.full_like(ids, trash * self.cache.block_size),
+                    decode_tokens=None,
+                    decode_targets=None,
+                    decode_blocks=torch.full((batch * 2,), trash, device=ids.device),
+                    decode_lengths=torch.ones_like(ids),
+                    decode_bias=torch.zeros(0),
+                    prefills=[],
+                    block_size=self.cache.block_size,
+                    num_tokens=batch,
+                )
+                self(ids, ids, meta)
+        self.warm_up_s = time.perf_counter() - began
+
+
+def _decode_graph(model, layers, block_size: int, input_ids, cos, sin, blocks, cached):
+    """The traced step. input_ids (B,), cos/sin (B, 1, hd), blocks (B, M) the rows' padded block
+    ids, cached (B,) how many positions each row has cached -> hidden (B, hidden) and the new
+    K/V (num_layers, B, 2, n_kv, hd)."""
+    positions = torch.arange(blocks.shape[1] * block_size, device=blocks.device)  # (L,)
+    slots = blocks[:, positions // block_size] * block_size + positions % block_size  # (B, L)
+    bias = torch.zeros(slots.shape, device=slots.device).masked_fill_(
+        positions[None, :] >= cached[:, None], float("-inf")
+    )  # (B, L) float32
+    new_kv = []
+
+    def attend_over(layer: torch.Tensor):
+        def attend(q, kv):
+            new_kv.append(kv)
+            return _attend(q, kv, layer, slots, bias)
+
+        return attend
+
+    x = model.model.embed_tokens(input_ids)  # (B, hidden)
+    attends = [attend_over(layers[index]) for index in range(layers.shape[0])]
+    hidden = model.run_layers(x, cos, sin, attends)
+    return hidden, torch.stack(new_kv)
+
+
+def _attend(q, kv, layer, slots, bias) -> torch.Tensor:
+    """One query per row over its cached K/V plus its own new k/v, in float32.
+    q (B, nq, hd), kv (B, 2, n_kv, hd), layer (2, n_kv, S, hd), slots and bias (B, L)."""
+    batch, nq, hd = q.shape
+    n_kv = kv.shape[2]
+    # Written as products and sums, not matmuls, so inductor fuses the loads by block id, the
+    # scores, the softmax and the weighted sum into one loop nest per layer.
+    keys = layer[0][:, slots].float()  # (n_kv, B, L, hd)
+    values = layer[1][:, slots].float()
+    qg = q.view(batch, n_kv, nq // n_kv, hd).transpose(0, 1).float() * hd**-0.5  # (n_kv,B,g,hd)
+    k_new = kv[:, 0].transpose(0, 1).float()[:, :, None]  # (n_kv, B, 1, hd)
+    v_new = kv[:, 1].transpose(0, 1).float()[:, :, None]
+    scores = (qg[:, :, :, None] * keys[:, :, None]).sum(-1) + bias[None, :, None]  # (n_kv,B,g,L)
+    own = (qg * k_new).sum(-1, keepdim=True)  # (n_kv, B, g, 1)
+    top = torch.maximum(scores.amax(-1, keepdim=True), own)
+    weights, own_weight = (scores - top).exp(), (own - top).exp()
+    total = weights.sum(-1, keepdim=True) + own_weight
+    out = (weights[..., None] * values[:, :, None]).sum(-2) + own_weight * v_new  # (n_kv,B,g,hd)
+    out = (out / total).to(q.dtype)
+    return out.transpose(0, 1).reshape(batch, nq, hd)
+
+
+_PACKED_LINEARS_ALLOWED = False
+
+
+def _allow_packed_linears() -> None:
+    """Let inductor call oneDNN's linear on our pre-packed weights as an opaque kernel. Its own
+    lowering assumes weights that inductor packed itself and asserts otherwise. Process-wide,
+    once: it only changes how that operator is compiled, never what it computes."""
+    global _PACKED_LINEARS_ALLOWED
+    if _PACKED_LINEARS_ALLOWED:
+        return
+    from torch._inductor import lowering
+
+    op = torch.ops.mkldnn._linear_pointwise.default
+    lowering.lowerings.pop(op, None)
+    lowering.make_fallback(op)
+    _PACKED_LINEARS_ALLOWED = True
