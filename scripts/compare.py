@@ -3,6 +3,7 @@ batching, on the same model file and the same work, printed as one table.
 
     python scripts/compare.py                          # nanoserve, float32 and bfloat16
     python scripts/compare.py --with-llamacpp --with-transformers
+    python scripts/compare.py --dtypes bfloat16 --compile     # also with small steps compiled
 
 Every server runs the same ``nanoserve bench serve`` load (128 prompt tokens, 128 output tokens
 with ignore_eos, greedy, streaming) at each ``--concurrency``, one server at a time. llama.cpp's
@@ -113,6 +114,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--waves", type=int, default=2, help="prompts per concurrent client")
     parser.add_argument("--min-prompts", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None, help="worker threads (nanoserve)")
+    parser.add_argument(
+        "--compile", action="store_true", help="also bench nanoserve with --compile, each dtype"
+    )
     parser.add_argument("--with-llamacpp", action="store_true", help="also bench llama-server")
     parser.add_argument("--llama-server", type=Path, help="a built llama-server binary")
     parser.add_argument(
@@ -133,8 +137,11 @@ def main() -> int:
     rows: list[dict] = []
     if not args.skip_nanoserve:
         for dtype in args.dtypes:
-            server = start_nanoserve(dtype, logs / f"nanoserve-{dtype}", args.threads)
-            rows += run_server("nanoserve", dtype, server, args, work)
+            for compile in (False, True) if args.compile else (False,):
+                label = f"{dtype} compiled" if compile else dtype
+                log_dir = logs / f"nanoserve-{label}".replace(" ", "-")
+                server = start_nanoserve(dtype, log_dir, args.threads, compile)
+                rows += run_server("nanoserve", label, server, args, work)
     if args.with_llamacpp:
         from nanoserve.model_files import resolve_model
 

@@ -80,8 +80,11 @@ class Server:
                 process.wait()
 
 
-def start_nanoserve(dtype: str, log_dir: Path, threads: int | None) -> Server:
-    """Scheduler, worker and frontend, configured through NANOSERVE_* variables."""
+def start_nanoserve(
+    dtype: str, log_dir: Path, threads: int | None, compile: bool = False
+) -> Server:
+    """Scheduler, worker and frontend, configured through NANOSERVE_* variables. A compiled
+    worker's first start compiles for minutes (later ones read inductor's cache)."""
     server = Server(f"nanoserve {dtype}", free_port(), log_dir)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.update(
@@ -91,10 +94,12 @@ def start_nanoserve(dtype: str, log_dir: Path, threads: int | None) -> Server:
     )
     if threads is not None:
         env["NANOSERVE_THREADS"] = str(threads)
+    if compile:
+        env["NANOSERVE_COMPILE"] = "1"
     try:
         for role in ROLES:
             server.spawn(role, [sys.executable, "-m", "nanoserve.cli", role], env)
-        server.wait_ready("/health", timeout=300)
+        server.wait_ready("/health", timeout=900 if compile else 300)
     except BaseException:
         server.stop()
         raise

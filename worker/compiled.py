@@ -1,18 +1,20 @@
-"""Compiled small decode steps (``--compile``): one inductor graph runs a whole decode step.
+"""Compiled decode steps (``--compile``): one inductor graph runs a whole decode step.
 
-At batch 1 an eager decode step is some 400 small operators, and their dispatch costs about as
-much as streaming the weights. ``CompiledDecode`` hands decode-only steps of at most
-``MAX_BATCH`` rows to ``torch.compile``: norms, rotary, the attention and the SwiGLU become a few
-fused C++ loops per layer around the same linear kernels (the 4-bit ones included).
+An eager decode step is some 400 small operators, and at small batches their dispatch costs
+about as much as streaming the weights. ``CompiledDecode`` hands decode-only steps of at most
+``MAX_BATCH`` rows to ``torch.compile``: norms, rotary, the block-id gather, the softmax and the
+SwiGLU become fused C++ loops around the same matmul kernels (the 4-bit ones included), with no
+Python between them.
 
-The graph never writes the cache. Each layer attends over its cached positions (read straight
-from the pool by block id, with no gathered copy) plus the new token's own k/v, and returns the
-new K/V; one ``index_copy_`` after the graph writes every layer's at once. A write inside the
-graph would make inductor copy the whole pool to keep the graph functional.
+The graph never writes the cache. Each layer attends over its cached positions plus the new
+token's own k/v, and returns the new K/V; one ``index_copy_`` after the graph writes every
+layer's at once. A write inside the graph would make inductor copy the whole pool to keep the
+graph functional.
 
-Compiling takes about a minute per shape family on two cores, so the worker compiles at start
-(``warm_up``), before it announces itself; inductor caches the result on disk, and later starts
-take seconds. Steps with prefills, and bigger decode batches, stay eager.
+Compiling takes one to two minutes per graph on two cores, and a step meets one of three
+(batch 1; 2 to the 4-bit limit; above it), so the worker compiles all of them at start
+(``warm_up``), before it announces itself. Inductor caches them on disk: later starts take
+about 20 s. Steps with prefills, and bigger decode batches, stay eager.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from worker.kv_cache import KVCache
 from worker.model import LlamaModel
 from worker.rope import rotary_cos_sin
 
-# Decode-only steps of at most this many rows (padding included) run compiled. The fused
-# attention loop costs about 70 us per row and layer, so at 8 rows the eager step (batched
-# matmuls over gathered K/V) is faster again (35.5 against 32.4 ms measured); at 4, 20 vs 30.
-MAX_BATCH = 4
+# Decode-only steps of at most this many rows (padding included) run compiled. Measured against
+# eager at a 256-token context (bf16): 14 vs 19 ms at 1 row, 21 vs 29 at 4, 35 vs 49 at 8,
+# 76 vs 97 at 32. Beyond it, inductor's fresh gather buffers would grow to tens of MB a layer
+# (the eager path reuses one scratch buffer).
+MAX_BATCH = 32
 
 
 class CompiledDecode:
@@ -135,24 +138,29 @@ def _decode_graph(model, layers, block_size: int, input_ids, cos, sin, blocks, c
 
 
 def _attend(q, kv, layer, slots, bias) -> torch.Tensor:
-    """One query per row over its cached K/V plus its own new k/v, in float32.
+    """One query per row over its cached K/V plus its own new k/v; the softmax in float32, the
+    matmuls in the model's dtype, as in ``worker.attention``'s eager decode.
     q (B, nq, hd), kv (B, 2, n_kv, hd), layer (2, n_kv, S, hd), slots and bias (B, L)."""
     batch, nq, hd = q.shape
     n_kv = kv.shape[2]
-    # Written as products and sums, not matmuls, so inductor fuses the loads by block id, the
-    # scores, the softmax and the weighted sum into one loop nest per layer.
-    keys = layer[0][:, slots].float()  # (n_kv, B, L, hd)
-    values = layer[1][:, slots].float()
-    qg = q.view(batch, n_kv, nq // n_kv, hd).transpose(0, 1).float() * hd**-0.5  # (n_kv,B,g,hd)
+    # Batched matmuls over a gathered copy. Written instead as products and sums, inductor fused
+    # the gather, scores and softmax into one loop nest, but it cost ~70 us per row and layer at
+    # a 160-token context and grew with it: 2x slower than this at 4 rows.
+    group = nq // n_kv
+    keys = layer[0][:, slots].reshape(n_kv * batch, -1, hd)  # (n_kv * B, L, hd), gathered
+    values = layer[1][:, slots].reshape(n_kv * batch, -1, hd)
+    qg = q.view(batch, n_kv, group, hd).transpose(0, 1)  # (n_kv, B, g, hd)
     k_new = kv[:, 0].transpose(0, 1).float()[:, :, None]  # (n_kv, B, 1, hd)
     v_new = kv[:, 1].transpose(0, 1).float()[:, :, None]
-    scores = (qg[:, :, :, None] * keys[:, :, None]).sum(-1) + bias[None, :, None]  # (n_kv,B,g,L)
-    own = (qg * k_new).sum(-1, keepdim=True)  # (n_kv, B, g, 1)
+    scores = torch.bmm(qg.reshape(n_kv * batch, group, hd), keys.transpose(1, 2))
+    scores = scores.view(n_kv, batch, group, -1).float() * hd**-0.5 + bias[None, :, None]
+    own = (qg.float() * k_new).sum(-1, keepdim=True) * hd**-0.5  # (n_kv, B, g, 1)
     top = torch.maximum(scores.amax(-1, keepdim=True), own)
     weights, own_weight = (scores - top).exp(), (own - top).exp()
     total = weights.sum(-1, keepdim=True) + own_weight
-    out = (weights[..., None] * values[:, :, None]).sum(-2) + own_weight * v_new  # (n_kv,B,g,hd)
-    out = (out / total).to(q.dtype)
+    mixed = torch.bmm((weights / total).to(q.dtype).view(n_kv * batch, group, -1), values)
+    out = mixed.view(n_kv, batch, group, hd).float() + (own_weight / total) * v_new
+    out = out.to(q.dtype)  # (n_kv, B, g, hd)
     return out.transpose(0, 1).reshape(batch, nq, hd)
 
 

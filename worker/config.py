@@ -20,8 +20,8 @@ class WorkerConfig:
     frontend and scheduler processes (they sleep while the worker computes).
     ``q4_max_tokens``: on CPU in bfloat16, with a GGUF whose matrices are Q4_0 or Q4_1, steps of
     at most this many tokens run on the file's own 4-bit weights (0: never).
-    ``compile``: on CPU, decode-only steps of at most 8 rows run as one ``torch.compile``d graph
-    (``worker.compiled``); compiling adds about two minutes to the first start.
+    ``compile``: on CPU, decode-only steps of at most 32 rows run as one ``torch.compile``d graph
+    (``worker.compiled``); compiling adds minutes to the first start, 20 s to later ones.
     """
 
     model: str | None = None

@@ -45,7 +45,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=env("compile", False, bool),
-        help="CPU: run decode steps of at most 4 rows as one torch.compile'd graph (the first "
+        help="CPU: run decode steps of at most 32 rows as one torch.compile'd graph (the first "
         "start compiles for minutes; later starts read inductor's cache)",
     )
     group.add_argument(
