@@ -43,6 +43,9 @@ class CompiledDecode:
         self.model, self.cache = model, cache
         self.steps = 0  # steps run compiled, warm-up included
         self.warm_up_s = 0.0  # how long ``warm_up`` took: compiling, or reading inductor's cache
+        # After the warm-up, a step no graph covers runs this same code eagerly rather than
+        # stall the worker for minutes of compiling (tests make it "fail_on_recompile").
+        self.stance = "default"
         self._graph = torch.compile(
             _decode_graph,
             fullgraph=True,
@@ -80,7 +83,8 @@ class CompiledDecode:
         torch._dynamo.maybe_mark_dynamic(blocks, 1)
         layers = self.cache.layers()  # (num_layers, 2, n_kv, S, hd)
         torch._dynamo.maybe_mark_dynamic(layers, 3)  # one graph whatever the pool's size
-        hidden, new_kv = self._graph(self.model, layers, self.cache.block_size, *args)
+        with torch.compiler.set_stance(self.stance):
+            hidden, new_kv = self._graph(self.model, layers, self.cache.block_size, *args)
         # new_kv (num_layers, B, 2, n_kv, hd) -> (num_layers * 2, n_kv, B, hd), as the pool.
         num_layers, _, two, n_kv, hd = new_kv.shape
         columns = new_kv.permute(0, 2, 3, 1, 4).reshape(num_layers * two, n_kv, batch, hd)
@@ -89,28 +93,34 @@ class CompiledDecode:
         return hidden
 
     def warm_up(self) -> None:
-        """Compile every graph a step can meet now, on steps that read and write only the trash
-        block: batch 1; batches of 2 and more; and ``MAX_BATCH``, which may fall on the other
-        side of the 4-bit linears' limit (usually the same graph as 2, then a cache hit)."""
+        """Compile every graph a step can meet now: batch 1; batches of 2 and more; and
+        ``MAX_BATCH``, which may fall on the other side of the 4-bit linears' limit (usually the
+        same graph as 2, then a cache hit)."""
         began = time.perf_counter()
         for batch in (1, 2, MAX_BATCH):
-            # Built under inference mode like the worker's own tensors: dynamo guards on it.
             with torch.inference_mode():
-                ids = torch.zeros(batch, dtype=torch.long, device=self.cache.pool.device)
-                trash = self.cache.trash_block
-                meta = AttentionMetadata(
-                    write_index=torch.full_like(ids, trash * self.cache.block_size),
-                    decode_tokens=None,
-                    decode_targets=None,
-                    decode_blocks=torch.full((batch * 2,), trash, device=ids.device),
-                    decode_lengths=torch.ones_like(ids),
-                    decode_bias=torch.zeros(0),
-                    prefills=[],
-                    block_size=self.cache.block_size,
-                    num_tokens=batch,
-                )
-                self(ids, ids, meta)
+                self(*self.trash_step(batch))
         self.warm_up_s = time.perf_counter() - began
+        self.stance = "eager_on_recompile"
+
+    def trash_step(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, metadata) of a decode step of ``batch`` rows that reads and
+        writes only the trash block. Build it under inference mode, as the worker builds its
+        own tensors: dynamo guards on that."""
+        ids = torch.zeros(batch, dtype=torch.long, device=self.cache.pool.device)
+        trash = self.cache.trash_block
+        meta = AttentionMetadata(
+            write_index=torch.full_like(ids, trash * self.cache.block_size),
+            decode_tokens=None,
+            decode_targets=None,
+            decode_blocks=torch.full((batch * 2,), trash, device=ids.device),
+            decode_lengths=torch.ones_like(ids),
+            decode_bias=torch.zeros(0),
+            prefills=[],
+            block_size=self.cache.block_size,
+            num_tokens=batch,
+        )
+        return ids, ids, meta
 
 
 def _decode_graph(model, layers, block_size: int, input_ids, cos, sin, blocks, cached):

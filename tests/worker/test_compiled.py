@@ -21,6 +21,8 @@ def compiled_worker(tiny_dir):
     """One compiled worker for the module: compiling takes tens of seconds."""
     worker = make_worker(tiny_dir, compile=True)
     assert worker.compiled.steps == 3  # warm-up: batches 1, 2 and MAX_BATCH
+    # Every step below must find a graph the warm-up built: a recompile raises.
+    worker.compiled.stance = "fail_on_recompile"
     return worker
 
 
@@ -49,9 +51,28 @@ def test_bigger_decode_batches_and_mixed_steps_stay_eager(
     assert compiled_worker.compiled.steps == before
 
 
+def test_a_step_no_graph_covers_runs_eagerly_or_fails_in_tests(compiled_worker):
+    compiled = compiled_worker.compiled
+    with torch.inference_mode():
+        ids, positions, meta = compiled.trash_step(3)
+        compiled.stance = "default"
+        covered = compiled(ids, positions, meta)
+        ids32 = ids.to(torch.int32)  # dynamo guards on dtypes: no warm-up graph covers this
+        try:
+            compiled.stance = "eager_on_recompile"  # how the worker serves
+            eager = compiled(ids32, positions, meta)
+            compiled.stance = "fail_on_recompile"
+            with pytest.raises(RuntimeError, match="[Rr]ecompil"):
+                compiled(ids32, positions, meta)
+        finally:
+            compiled.stance = "fail_on_recompile"
+    assert torch.allclose(covered, eager, atol=1e-5)
+
+
 def test_bfloat16_compiled_stays_close_to_eager(tiny_dir):
     eager = make_worker(tiny_dir, dtype="bfloat16")
     compiled = make_worker(tiny_dir, dtype="bfloat16", compile=True)
+    compiled.compiled.stance = "fail_on_recompile"
     runs = []
     for worker in (eager, compiled):
         requests = greedy_requests(PROMPTS[:2], 12)
