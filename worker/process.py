@@ -43,8 +43,7 @@ def run_worker(
     ``step_delay_s`` slows every step down on purpose, for tests that show the scheduler keeps
     taking requests while the worker computes.
     """
-    from worker.compiled import MAX_BATCH  # torch loads here, not at import time of this module
-    from worker.worker import Worker
+    from worker.worker import Worker  # torch loads here, not at import time of this module
 
     worker = Worker(config)
     ready = worker.ready()
@@ -65,6 +64,8 @@ def run_worker(
             config.q4_max_tokens,
         )
     if worker.compiled is not None:
+        from worker.compiled import MAX_BATCH
+
         log.info(
             "decode steps of at most %d rows run compiled (compiled or loaded in %.1f s)",
             MAX_BATCH,

@@ -75,7 +75,8 @@ def apply_rotary(
     transformers' ``x * cos + cat(-x2, x1) * sin`` with the sign moved into ``sin``: negation
     is exact, so the result is the same bit for bit.
     """
+    rolled = x.roll(x.shape[-1] // 2, dims=-1)
     if out is not None and torch.compiler.is_compiling():
         # Dynamo refuses ``out=`` on a strided view; in a compiled graph the copy fuses away.
-        return out.copy_(x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin)
-    return torch.add(x * cos, x.roll(x.shape[-1] // 2, dims=-1) * sin, out=out)
+        return out.copy_(x * cos + rolled * sin)
+    return torch.add(x * cos, rolled * sin, out=out)
