@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -116,7 +117,10 @@ def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Q4Tensor:
     """A 4-bit GGUF matrix kept as its own integers: weight = (q - 8) * scale + zero, per row
-    and group of 32 columns (Q4_1: d * q + m, so scale = d and zero = m + 8 * d)."""
+    and group of 32 columns (Q4_1: d * q + m, so scale = d and zero = m + 8 * d).
+
+    An 8-bit (Q8_0) matrix of K columns is two such halves side by side, K columns each: the
+    weight is their sum, and a linear feeds its input to both (``Linear.attach_q4``)."""
 
     q: torch.Tensor  # (N, K) uint8 in [0, 16)
     scale: torch.Tensor  # (N, K // 32) float32
@@ -126,17 +130,22 @@ class Q4Tensor:
 def read_q4_tensors(
     path: Path, architecture: str, n_heads: int, n_kv_heads: int
 ) -> dict[str, Q4Tensor]:
-    """Every Q4_0 and Q4_1 matrix of the file by Hugging Face name, rows in Hugging Face order.
-    Other types are left out: their values have no exact 4-bit form."""
+    """Every Q4_0 and Q4_1 matrix of the file by Hugging Face name, rows in Hugging Face order,
+    and every Q8_0 matrix as two 4-bit halves. Other types are left out: their values have no
+    exact 4-bit form."""
     from gguf import GGMLQuantizationType, GGUFReader
 
-    has_min = {GGMLQuantizationType.Q4_0: False, GGMLQuantizationType.Q4_1: True}
+    readers = {
+        GGMLQuantizationType.Q4_0: partial(_q4_blocks, has_min=False),
+        GGMLQuantizationType.Q4_1: partial(_q4_blocks, has_min=True),
+        GGMLQuantizationType.Q8_0: _q8_blocks,
+    }
     tensors = {}
     for tensor in GGUFReader(str(path)).tensors:
-        if tensor.tensor_type not in has_min:
+        if tensor.tensor_type not in readers:
             continue
         name = hf_name(tensor.name)
-        q4 = _q4_blocks(np.asarray(tensor.data), has_min[tensor.tensor_type])
+        q4 = readers[tensor.tensor_type](np.asarray(tensor.data))
         heads = _permuted_heads(name, architecture, n_heads, n_kv_heads)
         if heads:
             q4 = Q4Tensor(*(unpermute_rope_rows(t, heads) for t in (q4.q, q4.scale, q4.zero)))
@@ -156,6 +165,21 @@ def _q4_blocks(data: np.ndarray, has_min: bool) -> Q4Tensor:
     nibbles = torch.from_numpy(blocks[..., header:].copy())  # (N, K / 32, 16) uint8
     q = torch.cat((nibbles & 15, nibbles >> 4), dim=-1).reshape(rows, -1)  # (N, K)
     return Q4Tensor(q, torch.from_numpy(d), torch.from_numpy(zero))
+
+
+def _q8_blocks(data: np.ndarray) -> Q4Tensor:
+    """Rows of Q8_0 blocks (an f16 scale d, then 32 int8 q: weight d * q) -> two 4-bit halves
+    side by side, (N, 2K). With q = 16 * hi + lo, hi in [-8, 8) and lo in [0, 16): the first
+    half holds hi + 8 with scale 16 * d and zero 0, the second lo with scale d and zero 8 * d.
+    Exact: 16 * d and 8 * d are d shifted, and the halves sum to d * q."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, 2 + 32)  # (N, K / 32, bytes per block)
+    d = _f16_field(blocks, 0)  # (N, K / 32)
+    q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(rows, -1)  # (N, K)
+    hi, lo = (q >> 4) + 8, q & 15  # arithmetic shift: hi = floor(q / 16)
+    halves = torch.cat((hi, lo), dim=1).to(torch.uint8)  # (N, 2K), values 0..15
+    d = torch.from_numpy(d)
+    return Q4Tensor(halves, torch.cat((16 * d, d), dim=1), torch.cat((0 * d, 8 * d), dim=1))
 
 
 def _f16_field(blocks: np.ndarray, offset: int) -> np.ndarray:

@@ -91,7 +91,8 @@ def load_q4(files: ModelFiles, model_type: str, n_heads: int, n_kv_heads: int):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    path = gguf_to_hf_dir(files, progress=False) / "q4" / "weights.safetensors"
+    # v2: Q8_0 matrices too (as 4-bit halves); a cache written before them is read afresh.
+    path = gguf_to_hf_dir(files, progress=False) / "q4" / "weights-v2.safetensors"
     if not path.is_file():
         tensors = read_q4_tensors(files.source.resolve(), model_type, n_heads, n_kv_heads)
         flat = {}

@@ -8,7 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.gguf_reader import Q4Tensor, _q4_blocks, read_q4_tensors, unpermute_rope_rows
+from worker.gguf_reader import (
+    Q4Tensor,
+    _q4_blocks,
+    _q8_blocks,
+    read_q4_tensors,
+    unpermute_rope_rows,
+)
 from worker.model import Linear
 
 needs_onednn = pytest.mark.skipif(
@@ -42,15 +48,38 @@ def test_q4_blocks_equal_ggufs_own_dequantize(kind):
     assert np.allclose(weight.numpy(), want, rtol=0, atol=1e-6)
 
 
+def _q8_rows(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random Q8_0 rows as ggml lays them out: per block an f16 scale, then 32 int8."""
+    rng = np.random.default_rng(seed)
+    groups = cols // 32
+    d = rng.uniform(0.001, 0.01, (rows, groups, 1)).astype(np.float16).view(np.uint8)
+    q = rng.integers(-128, 128, (rows, groups, 32), dtype=np.int8).view(np.uint8)
+    q[0, 0, :2] = np.array([-128, 127], dtype=np.int8).view(np.uint8)  # both ends of the range
+    return np.concatenate([d, q], axis=-1).reshape(rows, -1)
+
+
+def test_q8_blocks_as_two_4bit_halves_sum_to_ggufs_own_dequantize():
+    from gguf import GGMLQuantizationType, dequantize
+
+    data = _q8_rows(rows=5, cols=64, seed=6)
+    want = dequantize(data, GGMLQuantizationType.Q8_0).reshape(5, 64)
+    got = _q8_blocks(data)
+    assert got.q.shape == (5, 128) and got.q.dtype == torch.uint8 and got.q.max() <= 15
+    both = _dequantized(got, rounded=False)  # (5, 128)
+    assert np.array_equal((both[:, :64] + both[:, 64:]).numpy(), want)
+
+
 def _random_q4(rows: int, cols: int, seed: int) -> Q4Tensor:
     return _q4_blocks(_ggml_blocks("Q4_1", rows, cols, seed), has_min=True)
 
 
-def _dequantized(q4: Q4Tensor) -> torch.Tensor:
-    """The float32 matrix: the scales rounded to bfloat16 first, as the kernel reads them."""
-    scale = q4.scale.bfloat16().float().repeat_interleave(32, 1)
-    zero = q4.zero.bfloat16().float().repeat_interleave(32, 1)
-    return (q4.q.int() - 8) * scale + zero
+def _dequantized(q4: Q4Tensor, rounded: bool = True) -> torch.Tensor:
+    """The float32 matrix; ``rounded``: the scales rounded to bfloat16 first, as the kernel
+    reads them."""
+    scale, zero = q4.scale, q4.zero
+    if rounded:
+        scale, zero = scale.bfloat16().float(), zero.bfloat16().float()
+    return (q4.q.int() - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
 
 
 @needs_onednn
@@ -72,6 +101,24 @@ def test_q4_linear_computes_the_stacked_dequantized_matrix_on_small_steps_only()
     assert not torch.equal(small, layer(x[:3]).float())  # the small step did take another path
 
 
+@needs_onednn
+def test_q8_linear_feeds_both_halves_on_single_rows_only():
+    q8 = _q8_blocks(_q8_rows(rows=160, cols=96, seed=7))
+    halves = _dequantized(q8)  # (160, 192)
+    weight = halves[:, :96] + halves[:, 96:]  # (160, 96)
+    layer = Linear.of(weight.bfloat16(), None)
+    layer.pack()
+    layer.attach_q4([q8], max_tokens=1)
+    assert layer.q4_halves == 2
+    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(8)).bfloat16()
+    one = layer(x[:1]).float()
+    want = F.linear(x[:1].float(), weight)
+    assert (one - want).abs().max().item() < 0.01 * want.abs().max().item()
+    two = layer(x)  # two rows take the bfloat16 matrix
+    layer.q4 = None
+    assert torch.equal(two, layer(x)) and not torch.equal(one, layer(x[:1]).float())
+
+
 @pytest.mark.slow
 def test_real_q4_rows_are_the_gguf_rows_in_hugging_face_order():
     from gguf import GGUFReader, dequantize
@@ -80,7 +127,9 @@ def test_real_q4_rows_are_the_gguf_rows_in_hugging_face_order():
 
     path = resolve_model(None).source
     tensors = read_q4_tensors(path, "llama", n_heads=9, n_kv_heads=3)
-    assert len(tensors) == 30 * 7  # every layer's q, k, v, o, gate, up, down
+    # every layer's q, k, v, o, gate, up, down (Q4_1), and the embedding (Q8_0, tied lm head)
+    assert len(tensors) == 30 * 7 + 1
+    assert tensors["model.embed_tokens.weight"].q.shape == (49152, 2 * 576)
     raw = {t.name: t for t in GGUFReader(str(path)).tensors}
     for gguf_name, hf, heads in (
         ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 9),

@@ -106,12 +106,13 @@ def test_bfloat16_close_to_float32(real_worker, real_prompts):
 def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts):
     """Fed float32's own greedy tokens, one per step (so every decode runs on 4-bit weights),
     the logits stay within Q4_TOL of float32's and pick the same token nearly always.
-    Measured: 2.43 and 96.8%; plain bfloat16 gives 1.57 and 97.0% on the same steps."""
+    Measured: 2.43 and 96.5% (the lm head on its 8-bit matrix too, at one row); plain bfloat16
+    gives 1.57 and 97.0% on the same steps."""
     workers = {
         "f32": make_worker(None, block_size=16, num_blocks=512, num_slots=4),
         "q4": make_worker(None, block_size=16, num_blocks=512, num_slots=4, dtype="bfloat16"),
     }
-    assert workers["q4"].q4_linears == 30 * 4  # qkv, o, gate_up, down in every layer
+    assert workers["q4"].q4_linears == 30 * 4 + 1  # qkv, o, gate_up, down in every layer; lm head
     assert workers["f32"].q4_linears == 0
     reference = [Driver(workers["f32"], eos=[]).run([Request("r", p, 32)])[0] for p in real_prompts]
     worst, agree, steps = 0.0, 0, 0
