@@ -128,7 +128,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.q4 is not None and x.shape[0] <= self.q4_max_tokens:
             packed, scales_zeros = self.q4
-            x = x.repeat(1, self.q4_halves) if self.q4_halves > 1 else x.contiguous()
+            x = torch.cat([x] * self.q4_halves, dim=1) if self.q4_halves > 1 else x.contiguous()
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)
             return out if self.bias is None else out.add_(self.bias)
         if self.packed is None:
