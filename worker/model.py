@@ -315,9 +315,12 @@ class LlamaModel(nn.Module):
         attached = 0
         for index, layer in enumerate(self.model.layers):
             for fused, names in _FUSED_PARTS.items():
+                linear = layer.get_submodule(fused)
                 parts = [tensors.get(f"model.layers.{index}.{name}.weight") for name in names]
-                if None not in parts:
-                    layer.get_submodule(fused).attach_q4(parts, max_tokens)
+                # 4-bit matrices only: an 8-bit one (two halves, twice the columns) pays for a
+                # single row only, and every step through a layer may have more.
+                if None not in parts and all(p.q.shape[1] == linear.in_features for p in parts):
+                    linear.attach_q4(parts, max_tokens)
                     attached += 1
         head = tensors.get("lm_head.weight")
         if head is None and self.spec.tie_embeddings:

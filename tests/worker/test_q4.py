@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_worker
 
 from worker.gguf_reader import (
     Q4Tensor,
@@ -145,3 +146,19 @@ def test_real_q4_rows_are_the_gguf_rows_in_hugging_face_order():
             32, 1
         )
         assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-6)
+
+
+@needs_onednn
+def test_layers_take_only_4bit_matrices_and_the_lm_head_takes_8bit_for_one_row(tiny_dir):
+    worker = make_worker(tiny_dir, dtype="bfloat16", q4_max_tokens=0)
+    tensors = {
+        "model.layers.0.self_attn.o_proj.weight": _q8_blocks(_q8_rows(64, 64, seed=9)),
+        "model.layers.0.mlp.down_proj.weight": _random_q4(64, 128, seed=10),
+        "lm_head.weight": _q8_blocks(_q8_rows(256, 64, seed=11)),
+    }
+    assert worker.model.attach_q4(tensors, max_tokens=8) == 2
+    layer = worker.model.model.layers[0]
+    assert layer.self_attn.o_proj.q4 is None  # 8-bit: left to bfloat16 in the layers
+    assert layer.mlp.down_proj.q4 is not None and layer.mlp.down_proj.q4_max_tokens == 8
+    head = worker.model.lm_head
+    assert head.q4_halves == 2 and head.q4_max_tokens == 1
