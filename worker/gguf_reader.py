@@ -179,7 +179,9 @@ def _q8_blocks(data: np.ndarray) -> Q4Tensor:
     hi, lo = (q >> 4) + 8, q & 15  # arithmetic shift: hi = floor(q / 16)
     halves = torch.cat((hi, lo), dim=1).to(torch.uint8)  # (N, 2K), values 0..15
     d = torch.from_numpy(d)
-    return Q4Tensor(halves, torch.cat((16 * d, d), dim=1), torch.cat((0 * d, 8 * d), dim=1))
+    scale = torch.cat((16 * d, d), dim=1)  # (N, 2K / 32)
+    zero = torch.cat((torch.zeros_like(d), 8 * d), dim=1)
+    return Q4Tensor(halves, scale, zero)
 
 
 def _f16_field(blocks: np.ndarray, offset: int) -> np.ndarray:
