@@ -1,0 +1,88 @@
+"""nanoserve's own CPU kernels (``csrc/``), built on first use and loaded as torch operators.
+
+``torch.ops.nanoserve.decode_attention``: one decode query per row over its paged bfloat16
+K/V, read in place (see ``csrc/decode_attention.cpp``). The compiled decode step calls it
+instead of the gather, two matmuls and softmax that inductor makes of the same attention.
+
+The source compiles with ``torch.utils.cpp_extension`` (about 10 s) into nanoserve's cache
+directory and loads from there afterwards; a changed source or torch version rebuilds it. On a
+CPU without AVX-512, or where the build fails, ``available()`` is False and callers keep their
+torch code.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "csrc" / "decode_attention.cpp"]
+# What the kernels' instructions need, as /proc/cpuinfo names them.
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
+_CFLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+
+
+def cpu_supports() -> bool:
+    """Whether this CPU has every instruction set the kernels are compiled for (Linux only)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return all(flag in flags for flag in CPU_FLAGS)
+    return False
+
+
+@functools.cache
+def available() -> bool:
+    """Whether ``torch.ops.nanoserve`` can run here; builds and loads it on the first call.
+    ``NANOSERVE_KERNELS=0`` turns it off."""
+    if os.environ.get("NANOSERVE_KERNELS", "1") == "0":
+        return False
+    if not cpu_supports():
+        log.info("kernels: this CPU lacks AVX-512; the compiled step keeps inductor's attention")
+        return False
+    try:
+        _load()
+    except Exception as exc:  # a missing compiler must not stop the worker, only slow it
+        log.warning("kernels: could not build csrc/ (%s); keeping inductor's attention", exc)
+        return False
+    return True
+
+
+@functools.cache  # once per process: a second library registering ``nanoserve`` would abort
+def _load() -> None:
+    import ninja
+    from torch.utils import cpp_extension
+
+    from worker.loader import cache_root
+
+    # cpp_extension runs ``ninja`` from PATH; the pip package's binary need not be on it.
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    build = cache_root() / "kernels" / f"torch-{torch.__version__}"
+    build.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(  # rebuilt only when a source or a flag changes (it hashes them)
+        name="nanoserve_kernels",
+        sources=[str(source) for source in SOURCES],
+        extra_cflags=_CFLAGS,
+        build_directory=str(build),
+        is_python_module=False,
+        verbose=False,
+    )
+    _register_fakes()
+
+
+@functools.cache
+def _register_fakes() -> None:
+    """Output shapes for tracing (``torch.compile``)."""
+
+    @torch.library.register_fake("nanoserve::decode_attention")
+    def _(q, kv, layer, blocks, cached, block_size):
+        return q.new_empty(q.shape)
