@@ -10,9 +10,13 @@ from conftest import make_worker
 
 from worker import kernels
 
-pytestmark = pytest.mark.skipif(
-    not kernels.available(), reason="needs AVX-512 and a C++ compiler (worker.kernels)"
-)
+
+@pytest.fixture(autouse=True)
+def built(private_cache):
+    """Build (or load) the kernel in the tests' private cache, or skip where it cannot be."""
+    if not kernels.available():
+        pytest.skip("needs AVX-512 and a C++ compiler (worker.kernels)")
+
 
 BLOCK = 16
 
