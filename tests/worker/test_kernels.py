@@ -52,8 +52,17 @@ def _case(n_kv: int, nq: int, hd: int, lengths: list[int], seed: int):
 
 @pytest.mark.parametrize(
     "n_kv, nq, hd",
-    [(3, 9, 64), (2, 4, 16), (2, 14, 128), (1, 8, 32), (4, 4, 64), (2, 10, 64)],
-    ids=["smollm2", "tiny", "qwen2", "mqa", "mha", "group5"],
+    [
+        (3, 9, 64),
+        (2, 4, 16),
+        (2, 14, 128),
+        (1, 8, 32),
+        (4, 4, 64),
+        (2, 10, 64),
+        (2, 8, 64),
+        (2, 12, 32),
+    ],
+    ids=["smollm2", "tiny", "qwen2", "mqa", "mha", "group5", "group4", "group6"],
 )
 def test_decode_attention_equals_float64_attention_to_bfloat16_rounding(n_kv, nq, hd):
     lengths = [0, 1, 15, 16, 17, 100, 255]  # empty, within, at and across block edges
@@ -65,6 +74,18 @@ def test_decode_attention_equals_float64_attention_to_bfloat16_rounding(n_kv, nq
     # float32 arithmetic, then one rounding to bfloat16 (8 significant bits).
     error = (got.double() - want).abs()
     assert (error <= want.abs() * 2**-8 + 1e-4).all(), error.max().item()
+
+
+def test_a_sharp_softmax_and_a_nan_behave_as_torchs():
+    q, kv, layer, blocks, cached = _case(3, 9, 64, [40, 200], seed=5)
+    sharp = (q.float() * 30).bfloat16()  # scores of hundreds: weights underflow to 0
+    got = torch.ops.nanoserve.decode_attention(sharp, kv, layer, blocks, cached, BLOCK)
+    want = _reference(sharp, kv, layer, blocks, cached)
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()
+    layer = layer.clone()
+    layer[0, 1, int(blocks[1, 3]) * BLOCK + 2] = float("nan")  # row 1's position 50, KV head 1
+    got = torch.ops.nanoserve.decode_attention(q, kv, layer, blocks, cached, BLOCK)
+    assert got[1, 3:6].isnan().all() and not got[1, :3].isnan().any() and not got[0].isnan().any()
 
 
 def test_a_row_with_nothing_cached_returns_its_own_value_exactly():
@@ -104,6 +125,21 @@ def test_it_refuses_what_it_cannot_compute():
     q48, kv48, layer48, blocks48, cached48 = _case(1, 2, 48, [5], seed=4)
     with pytest.raises(RuntimeError, match="needs head_dim 16, 32, 64 or 128"):
         torch.ops.nanoserve.decode_attention(q48, kv48, layer48, blocks48, cached48, BLOCK)
+    # Indices that would read outside the tensors are refused, not followed.
+    width = blocks.shape[1]
+    for bad_cached, match in (([-1], "has -1 cached"), ([width * BLOCK + 1], "its table holds")):
+        with pytest.raises(RuntimeError, match=match):
+            attend = torch.ops.nanoserve.decode_attention
+            attend(q, kv, layer, blocks, torch.tensor(bad_cached), BLOCK)
+    for bad_block in (-1, 48):
+        wrong = blocks.clone()
+        wrong[0, 0] = bad_block
+        with pytest.raises(RuntimeError, match=f"names block {bad_block} of a pool of 48"):
+            torch.ops.nanoserve.decode_attention(q, kv, layer, wrong, cached, BLOCK)
+    with pytest.raises(RuntimeError, match="block_size must divide"):
+        torch.ops.nanoserve.decode_attention(q, kv, layer, blocks, cached, 0)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        torch.ops.nanoserve.decode_attention(q, kv[:, :, :0], layer[:, :0], blocks, cached, BLOCK)
 
 
 def test_turned_off_by_the_environment(monkeypatch):
@@ -134,3 +170,26 @@ def test_bfloat16_steps_attend_with_it_and_float32_steps_do_not(tiny_dir, monkey
         worker = make_worker(tiny_dir, dtype=dtype)
         Driver(worker, eos=[]).run([Request("r", [1, 2, 3, 4, 5], 4)])
         assert len(calls) == want, dtype
+
+
+def test_mixed_eager_steps_match_the_torch_attention(tiny_dir, monkeypatch):
+    """Chunked prefills beside decodes, bucketed and padded: the kernel's logits stay within
+    bfloat16's reach of the gather-and-bmm path's, and pick the same tokens."""
+    from driver import Driver, Request
+
+    import worker.attention
+
+    def run():
+        worker = make_worker(tiny_dir, dtype="bfloat16")
+        # "a" prefills in chunks of 5 while "b" and "c" decode beside it.
+        prompts = {"a": list(range(3, 40)), "b": [5, 6, 7], "c": [9, 8, 7, 6]}
+        requests = [Request(name, prompt, 6) for name, prompt in prompts.items()]
+        return Driver(worker, eos=[]).run(requests, chunk=5)
+
+    with_kernel = run()
+    monkeypatch.setattr(worker.attention, "own_kernel_supports", lambda *args: False)
+    without = run()
+    for a, b in zip(with_kernel, without, strict=True):
+        assert a.output == b.output
+        worst = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
+        assert worst < 0.05, worst

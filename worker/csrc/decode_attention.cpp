@@ -29,9 +29,10 @@ inline __m512 load_bf16(const c10::BFloat16* p) {  // 16 bfloat16 -> 16 floats (
 }
 
 // exp(x) for x <= 0 (softmax after the max is subtracted): Cephes' range reduction and degree-5
-// polynomial, relative error about 2e-7; anything below -87 gives 0.
+// polynomial, relative error about 2e-7; anything below -87.3 gives exp(-87.3), about 1e-38.
+// A NaN stays NaN (max_ps returns its second operand when one is NaN), as in torch's softmax.
 inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);
   __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -206,17 +207,33 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   TORCH_CHECK(blocks.scalar_type() == at::kLong && cached.scalar_type() == at::kLong &&
                   blocks.stride(1) == 1 && cached.stride(0) == 1,
               "decode_attention: blocks and cached must be contiguous int64");
-  TORCH_CHECK(nq % n_kv == 0 && supported(hd, nq / n_kv),
-              "decode_attention: needs head_dim 16, 32, 64 or 128 and 1 to 8 query heads per KV "
-              "head, "
-              "got ", hd, " and ", nq, " / ", n_kv);
   TORCH_CHECK(kv.size(0) == batch && kv.size(1) == 2 && kv.size(2) == n_kv && kv.size(3) == hd &&
                   layer.size(0) == 2 && layer.size(3) == hd && blocks.size(0) == batch &&
-                  cached.size(0) == batch,
+                  cached.size(0) == batch && n_kv > 0,
               "decode_attention: shapes do not match");
+  TORCH_CHECK(nq % n_kv == 0 && supported(hd, nq / n_kv),
+              "decode_attention: needs head_dim 16, 32, 64 or 128 and 1 to 8 query heads per KV "
+              "head, got ", hd, " and ", nq, " / ", n_kv);
   TORCH_CHECK(q.stride(2) == 1 && kv.stride(3) == 1 && layer.stride(3) == 1 &&
                   layer.stride(2) == hd,
               "decode_attention: the head dimension must be contiguous, and the pool's rows");
+  // Every position a row reads must lie in its table and every block it reads in the pool: a
+  // bad index here would read outside the tensors, and the worker must not die of its input.
+  TORCH_CHECK(block_size > 0 && layer.size(2) % block_size == 0,
+              "decode_attention: block_size must divide the pool's ", layer.size(2), " slots");
+  const int64_t width = blocks.size(1), pool_blocks = layer.size(2) / block_size;
+  const int64_t* ids = blocks.data_ptr<int64_t>();
+  const int64_t* lengths = cached.data_ptr<int64_t>();
+  for (int64_t row = 0; row < batch; ++row) {
+    const int64_t used = (lengths[row] + block_size - 1) / block_size;
+    TORCH_CHECK(lengths[row] >= 0 && used <= width, "decode_attention: row ", row, " has ",
+                lengths[row], " cached positions; its table holds ", width * block_size);
+    for (int64_t j = 0; j < used; ++j) {
+      const int64_t id = ids[row * blocks.stride(0) + j];
+      TORCH_CHECK(id >= 0 && id < pool_blocks, "decode_attention: row ", row, " names block ", id,
+                  " of a pool of ", pool_blocks);
+    }
+  }
   at::Tensor out = at::empty({batch, nq, hd}, q.options());
   Views v{q.data_ptr<c10::BFloat16>(), kv.data_ptr<c10::BFloat16>(),
           layer.data_ptr<c10::BFloat16>(), blocks.data_ptr<int64_t>(),
