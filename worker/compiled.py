@@ -32,9 +32,10 @@ from worker.model import LlamaModel
 from worker.rope import rotary_cos_sin
 
 # Decode-only steps of at most this many rows (padding included) run compiled. Measured against
-# eager at a 256-token context (bf16): 14 vs 19 ms at 1 row, 21 vs 29 at 4, 35 vs 49 at 8,
-# 76 vs 97 at 32. Beyond it, inductor's fresh gather buffers would grow to tens of MB a layer
-# (the eager path reuses one scratch buffer).
+# eager at a 256-token context (bf16, both with the attention kernel): 8.5 vs 13.4 ms at 1 row,
+# 16.4 vs 23.6 at 4, 27.0 vs 28.7 at 8, 48.7 vs 65.5 at 32. Beyond it, a float32 pool's graph
+# (inductor's fresh gather buffers) would grow to tens of MB a layer; the eager path reuses one
+# scratch buffer.
 MAX_BATCH = 32
 
 
