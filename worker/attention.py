@@ -186,7 +186,11 @@ def _decode(q, cache, meta: AttentionMetadata, scratch, kv) -> torch.Tensor:
     """q (B, n_heads, hd) and the new kv (B, 2, n_kv, hd) of the step's decodes -> (B, n_heads,
     hd)."""
     batch, n_heads, head_dim = q.shape
-    if cache.dtype == torch.bfloat16 and own_kernel_supports(head_dim, n_heads // cache.shape[1]):
+    if (
+        cache.dtype == torch.bfloat16
+        and cache.device.type == "cpu"  # a CPU kernel: CUDA pools keep the torch code
+        and own_kernel_supports(head_dim, n_heads // cache.shape[1])
+    ):
         # The new K/V are in the cache already; the kernel takes them from kv instead.
         blocks = meta.decode_blocks.view(batch, -1)  # (B, M)
         cached = meta.decode_lengths - 1  # (B,)

@@ -168,6 +168,7 @@ def test_bfloat16_steps_attend_with_it_and_float32_steps_do_not(tiny_dir, monkey
     for dtype, want in (("float32", 0), ("bfloat16", 2 * 3)):  # 2 layers x 3 decode steps
         calls.clear()
         worker = make_worker(tiny_dir, dtype=dtype)
+        assert worker.own_attention == (dtype == "bfloat16")  # known, and built, at start
         Driver(worker, eos=[]).run([Request("r", [1, 2, 3, 4, 5], 4)])
         assert len(calls) == want, dtype
 
