@@ -177,8 +177,15 @@ def paged_attention(q, kv, cache, meta: AttentionMetadata, scratch) -> torch.Ten
 
 
 @functools.cache
-def own_kernel_supports(head_dim: int, group: int) -> bool:
-    """Whether ``torch.ops.nanoserve.decode_attention`` builds here and takes these heads."""
+def uses_own_kernel(
+    dtype: torch.dtype, device: torch.device, head_dim: int, n_heads: int, n_kv_heads: int
+) -> bool:
+    """Whether decodes over a pool of this dtype and device attend with
+    ``torch.ops.nanoserve.decode_attention``: bfloat16 on CPU (it is a CPU operator), where it
+    builds (``worker.kernels``) and takes these heads. The first call may build it."""
+    if dtype != torch.bfloat16 or device.type != "cpu" or n_heads % n_kv_heads:
+        return False
+    group = n_heads // n_kv_heads
     return kernels.available() and torch.ops.nanoserve.decode_attention_supports(head_dim, group)
 
 
@@ -186,11 +193,7 @@ def _decode(q, cache, meta: AttentionMetadata, scratch, kv) -> torch.Tensor:
     """q (B, n_heads, hd) and the new kv (B, 2, n_kv, hd) of the step's decodes -> (B, n_heads,
     hd)."""
     batch, n_heads, head_dim = q.shape
-    if (
-        cache.dtype == torch.bfloat16
-        and cache.device.type == "cpu"  # a CPU kernel: CUDA pools keep the torch code
-        and own_kernel_supports(head_dim, n_heads // cache.shape[1])
-    ):
+    if uses_own_kernel(cache.dtype, cache.device, head_dim, n_heads, cache.shape[1]):
         # The new K/V are in the cache already; the kernel takes them from kv instead.
         blocks = meta.decode_blocks.view(batch, -1)  # (B, M)
         cached = meta.decode_lengths - 1  # (B,)

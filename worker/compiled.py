@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from worker.attention import AttentionMetadata, own_kernel_supports
+from worker.attention import AttentionMetadata, uses_own_kernel
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel
 from worker.rope import rotary_cos_sin
@@ -46,7 +46,10 @@ class CompiledDecode:
         _allow_packed_linears()
         self.model, self.cache = model, cache
         # bfloat16 pools attend with nanoserve's own kernel where it builds (worker.kernels).
-        self.own_attention = cache.pool.dtype == torch.bfloat16 and _kernel_supports(model)
+        spec, pool = model.spec, cache.pool
+        self.own_attention = uses_own_kernel(
+            pool.dtype, pool.device, spec.head_dim, spec.n_heads, spec.n_kv_heads
+        )
         self.steps = 0  # steps run compiled, warm-up included
         self.warm_up_s = 0.0  # how long ``warm_up`` took: compiling, or reading inductor's cache
         # After the warm-up, a step no graph covers runs this same code eagerly rather than
@@ -199,14 +202,6 @@ def _attend(q, kv, layer, slots, bias) -> torch.Tensor:
     out = mixed.view(n_kv, batch, group, hd).float() + (own_weight / total) * v_new
     out = out.to(q.dtype)  # (n_kv, B, g, hd)
     return out.transpose(0, 1).reshape(batch, nq, hd)
-
-
-def _kernel_supports(model: LlamaModel) -> bool:
-    """Whether ``worker.kernels``' decode attention builds here and takes this model's heads."""
-    spec = model.spec
-    if spec.n_heads % spec.n_kv_heads:
-        return False
-    return own_kernel_supports(spec.head_dim, spec.n_heads // spec.n_kv_heads)
 
 
 _PACKED_LINEARS_ALLOWED = False

@@ -1,8 +1,8 @@
 """nanoserve's own CPU kernels (``csrc/``), built on first use and loaded as torch operators.
 
 ``torch.ops.nanoserve.decode_attention``: one decode query per row over its paged bfloat16
-K/V, read in place (see ``csrc/decode_attention.cpp``). The compiled decode step calls it
-instead of the gather, two matmuls and softmax that inductor makes of the same attention.
+K/V, read in place (see ``csrc/decode_attention.cpp``). Decode steps, eager and compiled, call
+it instead of a gather, two matmuls and a softmax (``worker.attention.uses_own_kernel``).
 
 The source compiles with ``torch.utils.cpp_extension`` (about 10 s) into nanoserve's cache
 directory and loads from there afterwards; a changed source or torch version rebuilds it. On a
@@ -47,12 +47,12 @@ def available() -> bool:
     if os.environ.get("NANOSERVE_KERNELS", "1") == "0":
         return False
     if not cpu_supports():
-        log.info("kernels: this CPU lacks AVX-512; the compiled step keeps inductor's attention")
+        log.info("kernels: this CPU lacks AVX-512; decodes keep torch's attention")
         return False
     try:
         _load()
     except Exception as exc:  # a missing compiler must not stop the worker, only slow it
-        log.warning("kernels: could not build csrc/ (%s); keeping inductor's attention", exc)
+        log.warning("kernels: could not build csrc/ (%s); decodes keep torch's attention", exc)
         return False
     return True
 

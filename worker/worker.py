@@ -18,7 +18,7 @@ from protocol.messages import (
     StepResult,
     WorkerReady,
 )
-from worker.attention import AttentionMetadata, own_kernel_supports
+from worker.attention import AttentionMetadata, uses_own_kernel
 from worker.config import WorkerConfig
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel, ModelSpec
@@ -65,11 +65,9 @@ class Worker:
         self.sampler = Sampler(self.eos_token_ids)
         # Whether bfloat16 decodes attend with worker.kernels' kernel; asked now, so that its
         # first build (about 10 s) happens before the worker announces itself, not in a step.
-        pool = self.cache.pool
-        self.own_attention = (
-            pool.dtype == torch.bfloat16
-            and pool.device.type == "cpu"
-            and own_kernel_supports(self.spec.head_dim, self.spec.n_heads // self.spec.n_kv_heads)
+        pool, spec = self.cache.pool, self.spec
+        self.own_attention = uses_own_kernel(
+            pool.dtype, pool.device, spec.head_dim, spec.n_heads, spec.n_kv_heads
         )
         self.compiled = None
         if config.compile:

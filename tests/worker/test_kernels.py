@@ -188,7 +188,7 @@ def test_mixed_eager_steps_match_the_torch_attention(tiny_dir, monkeypatch):
         return Driver(worker, eos=[]).run(requests, chunk=5)
 
     with_kernel = run()
-    monkeypatch.setattr(worker.attention, "own_kernel_supports", lambda *args: False)
+    monkeypatch.setattr(worker.attention, "uses_own_kernel", lambda *args: False)
     without = run()
     for a, b in zip(with_kernel, without, strict=True):
         assert a.output == b.output
