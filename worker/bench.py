@@ -128,6 +128,7 @@ class _Decoder:
 # Operator name fragments -> the breakdown's categories, first match wins.
 CATEGORIES = (
     ("linear (weights)", ("linear_pointwise", "int4pack", "aten::mm", "aten::addmm")),
+    ("attention: nanoserve kernel", ("decode_attention",)),
     ("attention: gather K/V", ("index_select",)),
     ("attention: matmuls + softmax", ("bmm", "softmax", "scaled_dot_product")),
     ("cache write", ("index_copy",)),
