@@ -4,7 +4,10 @@
 K/V, read in place (see ``csrc/decode_attention.cpp``). Decode steps, eager and compiled, call
 it instead of a gather, two matmuls and a softmax (``worker.attention.uses_own_kernel``).
 
-The source compiles with ``torch.utils.cpp_extension`` (about 10 s) into nanoserve's cache
+``torch.ops.nanoserve.argmax``: torch.argmax over float32 rows, vectorized (``csrc/argmax.cpp``);
+the sampler's greedy choices.
+
+The sources compile with ``torch.utils.cpp_extension`` (about 10 s) into nanoserve's cache
 directory and loads from there afterwards; a changed source or torch version rebuilds it. On a
 CPU without AVX-512, or where the build fails, ``available()`` is False and callers keep their
 torch code.
@@ -21,23 +24,34 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "decode_attention.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "argmax.cpp")]
 # What the kernels' instructions need, as /proc/cpuinfo names them.
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 _CFLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+# Used where the CPU has it (the attention's scores then take vdpbf16ps), not required.
+BF16_FLAG = "avx512_bf16"
 
 
-def cpu_supports() -> bool:
-    """Whether this CPU has every instruction set the kernels are compiled for (Linux only)."""
+def cpu_flags() -> set[str]:
+    """This CPU's instruction sets as /proc/cpuinfo names them (Linux only; else empty)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return set()
     for line in text.splitlines():
         if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return all(flag in flags for flag in CPU_FLAGS)
-    return False
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_supports() -> bool:
+    """Whether this CPU has every instruction set the kernels are compiled for."""
+    return set(CPU_FLAGS) <= cpu_flags()
+
+
+def cflags() -> list[str]:
+    """The compiler's flags for this CPU."""
+    return _CFLAGS + (["-mavx512bf16"] if BF16_FLAG in cpu_flags() else [])
 
 
 @functools.cache
@@ -71,7 +85,7 @@ def _load() -> None:
     cpp_extension.load(  # rebuilt only when a source or a flag changes (it hashes them)
         name="nanoserve_kernels",
         sources=[str(source) for source in SOURCES],
-        extra_cflags=_CFLAGS,
+        extra_cflags=cflags(),
         build_directory=str(build),
         is_python_module=False,
         verbose=False,
@@ -86,3 +100,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("nanoserve::decode_attention")
     def _(q, kv, layer, blocks, cached, block_size):
         return q.new_empty(q.shape)
+
+    @torch.library.register_fake("nanoserve::argmax")
+    def _(x):
+        return x.new_empty(x.shape[0], dtype=torch.long)

@@ -61,10 +61,16 @@ def _penalty_state(row: Row, vocab: int, device: torch.device) -> _PenaltyState:
 
 
 class Sampler:
-    """Samples a batch of rows; knows the model's EOS ids for ``min_tokens``."""
+    """Samples a batch of rows; knows the model's EOS ids for ``min_tokens``.
 
-    def __init__(self, eos_token_ids: list[int]) -> None:
+    ``own_argmax``: greedy choices come from ``torch.ops.nanoserve.argmax`` (``worker.kernels``,
+    CPU only), which gives torch.argmax's answer in a vectorized pass: torch's own took 1.3 ms
+    for 32 rows of 49,152 logits, about 3% of a batch-32 step.
+    """
+
+    def __init__(self, eos_token_ids: list[int], own_argmax: bool = False) -> None:
         self.eos_token_ids = list(eos_token_ids)
+        self.own_argmax = own_argmax
 
     def sample(self, logits: torch.Tensor, rows: list[Row]) -> list[Draw]:
         """logits: float32 (S, vocab), one line per row -> one Draw per row."""
@@ -73,7 +79,11 @@ class Sampler:
         scores = logits.clone() if adjusted else logits  # plain greedy rows need no copy
         for i in adjusted:
             self._adjust(scores[i], rows[i])
-        tokens = scores.argmax(dim=-1)  # (S,) greedy choice for every row, in one call
+        # (S,) the greedy choice of every row, in one call
+        if self.own_argmax and scores.stride(-1) == 1:
+            tokens = torch.ops.nanoserve.argmax(scores)
+        else:
+            tokens = scores.argmax(dim=-1)
         random_rows = [i for i, row in enumerate(rows) if row.params.temperature > 0]
         if random_rows:
             chosen = self._draw(scores[random_rows], [rows[i] for i in random_rows])

@@ -18,6 +18,7 @@ from protocol.messages import (
     StepResult,
     WorkerReady,
 )
+from worker import kernels
 from worker.attention import AttentionMetadata, uses_own_kernel
 from worker.config import WorkerConfig
 from worker.kv_cache import KVCache
@@ -62,9 +63,12 @@ class Worker:
             max_model_len=self.max_model_len,
             seed=config.seed,
         )
-        self.sampler = Sampler(self.eos_token_ids)
-        # Whether bfloat16 decodes attend with worker.kernels' kernel; asked now, so that its
-        # first build (about 10 s) happens before the worker announces itself, not in a step.
+        # Whether greedy choices and bfloat16 decodes use worker.kernels' kernels; asked now,
+        # so that their first build (about 10 s) happens before the worker announces itself,
+        # not in a step.
+        self.sampler = Sampler(
+            self.eos_token_ids, own_argmax=self.device == "cpu" and kernels.available()
+        )
         pool, spec = self.cache.pool, self.spec
         self.own_attention = uses_own_kernel(
             pool.dtype, pool.device, spec.head_dim, spec.n_heads, spec.n_kv_heads

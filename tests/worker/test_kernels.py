@@ -1,6 +1,9 @@
-"""nanoserve's own CPU kernel (``worker/csrc``): decode attention over a paged bfloat16 cache
-equals float64 softmax attention to bfloat16's rounding, reads the right blocks, takes the new
-token from ``kv``, refuses what it cannot do, and is what bfloat16 steps use."""
+"""nanoserve's own CPU kernels (``worker/csrc``).
+
+Decode attention over a paged bfloat16 cache equals float64 softmax attention to bfloat16's
+rounding, reads the right blocks, takes the new token from ``kv``, refuses what it cannot do,
+and is what bfloat16 steps use. argmax gives torch.argmax's answers, ties and NaNs included,
+and is what the worker's sampler uses."""
 
 from __future__ import annotations
 
@@ -142,6 +145,40 @@ def test_it_refuses_what_it_cannot_compute():
         torch.ops.nanoserve.decode_attention(q, kv[:, :, :0], layer[:, :0], blocks, cached, BLOCK)
 
 
+def _argmax_rows(width: int, seed: int) -> torch.Tensor:
+    """Seven rows of ``width`` logits, each a case torch.argmax settles in its own way."""
+    x = torch.randn(7, width, generator=torch.Generator().manual_seed(seed))
+    top = x.abs().max() + 1
+    x[1, width // 3] = x[1, -1] = top  # a tie: the first index wins, across lanes and the tail
+    x[2] = 0.5  # all equal: index 0
+    x[3] = float("-inf")  # index 0
+    x[4, 0], x[4, width // 2], x[4, width * 3 // 4] = top, float("nan"), float("nan")  # first NaN
+    x[5, -1] = top  # the maximum in the last position
+    x[6, width // 2] = float("inf")
+    return x
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 100, 49152 + 5])
+def test_argmax_equals_torchs(width):
+    x = _argmax_rows(width, seed=width)
+    assert torch.equal(torch.ops.nanoserve.argmax(x), x.argmax(dim=-1))
+    rows = torch.randn(5, width + 7, generator=torch.Generator().manual_seed(1))[:, :width]
+    assert torch.equal(torch.ops.nanoserve.argmax(rows), rows.argmax(dim=-1))  # strided rows
+    empty = torch.zeros(0, width)
+    assert torch.ops.nanoserve.argmax(empty).shape == (0,)
+
+
+def test_argmax_refuses_what_it_cannot_compute():
+    with pytest.raises(RuntimeError, match="must be float32"):
+        torch.ops.nanoserve.argmax(torch.zeros(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="must be float32"):
+        torch.ops.nanoserve.argmax(torch.zeros(8))
+    with pytest.raises(RuntimeError, match="must be float32"):
+        torch.ops.nanoserve.argmax(torch.zeros(8, 2).t())
+    with pytest.raises(RuntimeError, match="rows of 1 to"):
+        torch.ops.nanoserve.argmax(torch.zeros(2, 0))
+
+
 def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("NANOSERVE_KERNELS", "0")
     kernels.available.cache_clear()
@@ -169,6 +206,7 @@ def test_bfloat16_steps_attend_with_it_and_float32_steps_do_not(tiny_dir, monkey
         calls.clear()
         worker = make_worker(tiny_dir, dtype=dtype)
         assert worker.own_attention == (dtype == "bfloat16")  # known, and built, at start
+        assert worker.sampler.own_argmax  # greedy choices in both
         Driver(worker, eos=[]).run([Request("r", [1, 2, 3, 4, 5], 4)])
         assert len(calls) == want, dtype
 

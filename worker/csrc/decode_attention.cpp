@@ -28,6 +28,25 @@ inline __m512 load_bf16(const c10::BFloat16* p) {  // 16 bfloat16 -> 16 floats (
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+#ifdef __AVX512BF16__
+// 32 bfloat16 values as 16 pairs for vdpbf16ps; head_dim 16 (C = 1) fills the upper half with
+// zeros, which add nothing.
+template <int C>
+inline __m512bh load_pairs(const c10::BFloat16* p) {
+  if constexpr (C == 1)
+    return (__m512bh)_mm512_zextsi256_si512(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  else
+    return (__m512bh)_mm512_loadu_si512(p);
+}
+#endif
+
+// Asks for one position's hd bfloat16 values to be brought into L1 (a hint: never faults).
+inline void prefetch_row(const c10::BFloat16* p, int64_t hd) {
+  for (int64_t byte = 0; byte < hd * 2; byte += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + byte, _MM_HINT_T0);
+}
+
 // exp(x) for x <= 0 (softmax after the max is subtracted): Cephes' range reduction and degree-5
 // polynomial, relative error about 2e-7; anything below -87.3 gives exp(-87.3), about 1e-38.
 // A NaN stays NaN (max_ps returns its second operand when one is NaN), as in torch's softmax.
@@ -57,15 +76,30 @@ struct Views {
 };
 
 // Calls f(t, pointer to position t's row) for t = 0..cached-1 by blocks (no division per
-// position), then for the new token.
+// position), then for the new token. ``phase`` 0 reads the keys, 1 the values.
+//
+// Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every block
+// boundary: while reading position i of block j this prefetches position i of the next block
+// in keys-then-values order. At batch 32 and a 200-token context, 30 layers with blocks in
+// random order took 17.4 against 24.7 ms a step without it (7.5 either way with the pool in
+// cache).
 template <typename F>
 inline void for_each_position(const Views& v, const int64_t* table, int64_t cached,
-                              const c10::BFloat16* base, const c10::BFloat16* fresh, F&& f) {
-  const int64_t bs = v.block_size, hd = v.hd;
+                              const c10::BFloat16* keys, const c10::BFloat16* values, int phase,
+                              const c10::BFloat16* fresh, F&& f) {
+  const int64_t bs = v.block_size, hd = v.hd, used = (cached + bs - 1) / bs;
+  const c10::BFloat16* base = phase == 0 ? keys : values;
   for (int64_t first = 0, j = 0; first < cached; first += bs, ++j) {
     const c10::BFloat16* block = base + table[j] * bs * hd;
+    const int64_t ahead = phase * used + j + 1;  // the next block, values after keys
+    const c10::BFloat16* next = ahead < used       ? keys + table[ahead] * bs * hd
+                                : ahead < 2 * used ? values + table[ahead - used] * bs * hd
+                                                   : nullptr;
     const int64_t count = std::min(bs, cached - first);
-    for (int64_t i = 0; i < count; ++i) f(first + i, block + i * hd);
+    for (int64_t i = 0; i < count; ++i) {
+      if (next) prefetch_row(next + i * hd, hd);
+      f(first + i, block + i * hd);
+    }
   }
   f(cached, fresh);
 }
@@ -104,18 +138,45 @@ void attend(const Views& v, int64_t row, int64_t head, std::vector<float>& scrat
   const float scale = 1.f / std::sqrt(static_cast<float>(C * 16));
   scratch.resize(W * padded);
   float* s = scratch.data();
-  __m512 q[G][C];  // the group's queries in float32, scaled
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c)
-      q[g][c] = _mm512_mul_ps(load_bf16(v.q + row * v.q_row + (head * G + g) * v.q_head + c * 16),
-                              _mm512_set1_ps(scale));
   const c10::BFloat16* keys = v.layer + head * v.layer_head;
   const c10::BFloat16* values = keys + v.layer_part;
   const c10::BFloat16* k_new = v.kv + row * v.kv_row + head * v.kv_head;
   const c10::BFloat16* v_new = k_new + v.kv_part;
   const int64_t* table = v.blocks + row * v.blocks_row;
+  if (cached > 0)  // the first block: for_each_position prefetches the others
+    for (int64_t i = 0; i < std::min(v.block_size, cached); ++i)
+      prefetch_row(keys + table[0] * v.block_size * v.hd + i * v.hd, v.hd);
   // Scores: one dot product per (position, query head); the group shares each key's load.
-  for_each_position(v, table, cached, keys, k_new, [&](int64_t t, const c10::BFloat16* key) {
+#ifdef __AVX512BF16__
+  // q and k are bfloat16 already: vdpbf16ps multiplies 32 pairs exactly and adds them into 16
+  // float32 lanes, with no conversion of k. 6.2 against 7.5 ms a step (batch 32, 200-token
+  // context, 30 layers in cache).
+  constexpr int P = (C + 1) / 2;  // 32-value chunks of the head dimension (16 for head_dim 16)
+  __m512bh q[G][P];
+  for (int g = 0; g < G; ++g)
+    for (int p = 0; p < P; ++p)
+      q[g][p] = load_pairs<C>(v.q + row * v.q_row + (head * G + g) * v.q_head + p * 32);
+  const __m128 scale4 = _mm_set1_ps(scale);
+  for_each_position(v, table, cached, keys, values, 0, k_new,
+                    [&](int64_t t, const c10::BFloat16* key) {
+    __m512 acc[W];
+    for (int g = 0; g < W; ++g) acc[g] = _mm512_setzero_ps();
+    for (int p = 0; p < P; ++p) {
+      const __m512bh k = load_pairs<C>(key + p * 32);
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], q[g][p], k);
+    }
+    for (int g = 0; g < W; g += 4)
+      _mm_storeu_ps(s + t * W + g,
+                    _mm_mul_ps(sum4(acc[g], acc[g + 1], acc[g + 2], acc[g + 3]), scale4));
+  });
+#else
+  __m512 q[G][C];  // the group's queries in float32, scaled
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      q[g][c] = _mm512_mul_ps(load_bf16(v.q + row * v.q_row + (head * G + g) * v.q_head + c * 16),
+                              _mm512_set1_ps(scale));
+  for_each_position(v, table, cached, keys, values, 0, k_new,
+                    [&](int64_t t, const c10::BFloat16* key) {
     __m512 acc[W];
     for (int g = 0; g < W; ++g) acc[g] = _mm512_setzero_ps();
     for (int c = 0; c < C; ++c) {
@@ -125,6 +186,7 @@ void attend(const Views& v, int64_t row, int64_t head, std::vector<float>& scrat
     for (int g = 0; g < W; g += 4)
       _mm_storeu_ps(s + t * W + g, sum4(acc[g], acc[g + 1], acc[g + 2], acc[g + 3]));
   });
+#endif
   for (int64_t i = length * W; i < padded * W; ++i) s[i] = -INFINITY;  // never weighed
   // Softmax of every head at once: lane l of a vector is head l % W.
   const int64_t vectors = padded * W / 16;
@@ -145,7 +207,8 @@ void attend(const Views& v, int64_t row, int64_t head, std::vector<float>& scrat
   __m512 out[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) out[g][c] = _mm512_setzero_ps();
-  for_each_position(v, table, cached, values, v_new, [&](int64_t t, const c10::BFloat16* value) {
+  for_each_position(v, table, cached, keys, values, 1, v_new,
+                    [&](int64_t t, const c10::BFloat16* value) {
     for (int c = 0; c < C; ++c) {
       __m512 val = load_bf16(value + c * 16);
       for (int g = 0; g < G; ++g)
