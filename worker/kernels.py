@@ -49,9 +49,15 @@ def cpu_supports() -> bool:
     return set(CPU_FLAGS) <= cpu_flags()
 
 
+def uses_bf16() -> bool:
+    """Whether the kernels are built with AVX512-BF16: where the CPU has it, unless
+    ``NANOSERVE_KERNELS_BF16=0`` (the tests use it to cover the float32 scoring too)."""
+    return BF16_FLAG in cpu_flags() and os.environ.get("NANOSERVE_KERNELS_BF16", "1") != "0"
+
+
 def cflags() -> list[str]:
     """The compiler's flags for this CPU."""
-    return _CFLAGS + (["-mavx512bf16"] if BF16_FLAG in cpu_flags() else [])
+    return _CFLAGS + (["-mavx512bf16"] if uses_bf16() else [])
 
 
 @functools.cache
@@ -61,12 +67,12 @@ def available() -> bool:
     if os.environ.get("NANOSERVE_KERNELS", "1") == "0":
         return False
     if not cpu_supports():
-        log.info("kernels: this CPU lacks AVX-512; decodes keep torch's attention")
+        log.info("kernels: this CPU lacks AVX-512; the worker keeps torch's code")
         return False
     try:
         _load()
     except Exception as exc:  # a missing compiler must not stop the worker, only slow it
-        log.warning("kernels: could not build csrc/ (%s); decodes keep torch's attention", exc)
+        log.warning("kernels: could not build csrc/ (%s); the worker keeps torch's code", exc)
         return False
     return True
 
@@ -80,7 +86,9 @@ def _load() -> None:
 
     # cpp_extension runs ``ninja`` from PATH; the pip package's binary need not be on it.
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    build = cache_root() / "kernels" / f"torch-{torch.__version__}"
+    # One directory per flag set: processes built both ways never overwrite each other's library.
+    flavour = "-bf16" if uses_bf16() else ""
+    build = cache_root() / "kernels" / f"torch-{torch.__version__}{flavour}"
     build.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(  # rebuilt only when a source or a flag changes (it hashes them)
         name="nanoserve_kernels",

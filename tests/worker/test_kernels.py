@@ -7,6 +7,11 @@ and is what the worker's sampler uses."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import make_worker
@@ -146,8 +151,8 @@ def test_it_refuses_what_it_cannot_compute():
 
 
 def _argmax_rows(width: int, seed: int) -> torch.Tensor:
-    """Seven rows of ``width`` logits, each a case torch.argmax settles in its own way."""
-    x = torch.randn(7, width, generator=torch.Generator().manual_seed(seed))
+    """Nine rows of ``width`` logits, each a case torch.argmax settles in its own way."""
+    x = torch.randn(9, width, generator=torch.Generator().manual_seed(seed))
     top = x.abs().max() + 1
     x[1, width // 3] = x[1, -1] = top  # a tie: the first index wins, across lanes and the tail
     x[2] = 0.5  # all equal: index 0
@@ -155,6 +160,9 @@ def _argmax_rows(width: int, seed: int) -> torch.Tensor:
     x[4, 0], x[4, width // 2], x[4, width * 3 // 4] = top, float("nan"), float("nan")  # first NaN
     x[5, -1] = top  # the maximum in the last position
     x[6, width // 2] = float("inf")
+    if width > 35:  # a tie where the later index sits in the lower lane (35: lane 3; 20: lane 4)
+        x[7, 35] = x[7, 20] = top
+    x[8, -1] = float("nan")  # a NaN in the tail only (in the last vector where width is 16)
     return x
 
 
@@ -177,6 +185,23 @@ def test_argmax_refuses_what_it_cannot_compute():
         torch.ops.nanoserve.argmax(torch.zeros(8, 2).t())
     with pytest.raises(RuntimeError, match="rows of 1 to"):
         torch.ops.nanoserve.argmax(torch.zeros(2, 0))
+
+
+@pytest.mark.skipif(not kernels.uses_bf16(), reason="the float32 scoring is the default here")
+def test_the_float32_scoring_too():
+    """Where the CPU has AVX512-BF16 the scores take vdpbf16ps, and the float32 path is compiled
+    out: build it (NANOSERVE_KERNELS_BF16=0, its own directory) and run the numeric tests on
+    it in a child pytest."""
+    tests = "equals_float64 or sharp_softmax or nothing_cached or reads_the_rows"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+        env={**os.environ, "NANOSERVE_KERNELS_BF16": "0"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert re.search(r"\b11 passed", done.stdout), done.stdout[-3000:]
 
 
 def test_turned_off_by_the_environment(monkeypatch):
@@ -202,13 +227,23 @@ def test_bfloat16_steps_attend_with_it_and_float32_steps_do_not(tiny_dir, monkey
     monkeypatch.setattr(torch.ops.nanoserve, "decode_attention", Counting())
     from driver import Driver, Request
 
+    argmax_calls = []
+    real_argmax = torch.ops.nanoserve.argmax
+
+    def counting_argmax(scores):
+        argmax_calls.append(scores.shape)
+        return real_argmax(scores)
+
+    monkeypatch.setattr(torch.ops.nanoserve, "argmax", counting_argmax)
     for dtype, want in (("float32", 0), ("bfloat16", 2 * 3)):  # 2 layers x 3 decode steps
         calls.clear()
+        argmax_calls.clear()
         worker = make_worker(tiny_dir, dtype=dtype)
         assert worker.own_attention == (dtype == "bfloat16")  # known, and built, at start
         assert worker.sampler.own_argmax  # greedy choices in both
         Driver(worker, eos=[]).run([Request("r", [1, 2, 3, 4, 5], 4)])
         assert len(calls) == want, dtype
+        assert len(argmax_calls) == 4, dtype  # the prefill's token and 3 decodes
 
 
 def test_mixed_eager_steps_match_the_torch_attention(tiny_dir, monkeypatch):

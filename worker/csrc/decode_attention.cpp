@@ -100,6 +100,9 @@ inline void for_each_position(const Views& v, const int64_t* table, int64_t cach
       if (next) prefetch_row(next + i * hd, hd);
       f(first + i, block + i * hd);
     }
+    // A partial last key block leaves the rest of the first value block to ask for.
+    if (next)
+      for (int64_t i = count; i < bs; ++i) prefetch_row(next + i * hd, hd);
   }
   f(cached, fresh);
 }
