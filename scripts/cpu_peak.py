@@ -11,8 +11,11 @@ concurrency-32 load needs about 3,930 GFLOP of matmuls (README, "Side by side").
 from __future__ import annotations
 
 import argparse
-import os
+import sys
 import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's packages
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -55,10 +58,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=20_000_000, help="rounds per thread")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     args = parser.parse_args()
-    import ninja
     from torch.utils import cpp_extension
 
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    from worker.kernels import put_ninja_on_path
+
+    put_ninja_on_path()
     with tempfile.TemporaryDirectory() as build:
         module = cpp_extension.load_inline(
             name="cpu_peak",

@@ -143,16 +143,10 @@ def _decode_graph(
     """The traced step. input_ids (B,), cos/sin (B, 1, hd), blocks (B, M) the rows' padded block
     ids, cached (B,) how many positions each row has cached -> hidden (B, hidden) and the new
     K/V (num_layers, B, 2, n_kv, hd). ``own_attention``: attend with nanoserve's kernel."""
-    new_kv = []
     if own_attention:
 
-        def attend_over(layer: torch.Tensor):
-            def attend(q, kv):
-                new_kv.append(kv)
-                attention = torch.ops.nanoserve.decode_attention
-                return attention(q, kv, layer, blocks, cached, block_size)
-
-            return attend
+        def attention(q, kv, layer):
+            return torch.ops.nanoserve.decode_attention(q, kv, layer, blocks, cached, block_size)
     else:
         positions = torch.arange(blocks.shape[1] * block_size, device=blocks.device)  # (L,)
         slots = blocks[:, positions // block_size] * block_size + positions % block_size  # (B, L)
@@ -160,12 +154,17 @@ def _decode_graph(
             positions[None, :] >= cached[:, None], float("-inf")
         )  # (B, L) float32
 
-        def attend_over(layer: torch.Tensor):
-            def attend(q, kv):
-                new_kv.append(kv)
-                return _attend(q, kv, layer, slots, bias)
+        def attention(q, kv, layer):
+            return _attend(q, kv, layer, slots, bias)
 
-            return attend
+    new_kv = []
+
+    def attend_over(layer: torch.Tensor):
+        def attend(q, kv):
+            new_kv.append(kv)
+            return attention(q, kv, layer)
+
+        return attend
 
     x = model.model.embed_tokens(input_ids)  # (B, hidden)
     attends = [attend_over(layers[index]) for index in range(layers.shape[0])]

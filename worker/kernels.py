@@ -1,4 +1,5 @@
-"""nanoserve's own CPU kernels (``csrc/``), built on first use and loaded as torch operators.
+"""nanoserve's own CPU kernels (``csrc/``), built when a CPU worker starts and loaded as torch
+operators.
 
 ``torch.ops.nanoserve.decode_attention``: one decode query per row over its paged bfloat16
 K/V, read in place (see ``csrc/decode_attention.cpp``). Decode steps, eager and compiled, call
@@ -8,9 +9,9 @@ it instead of a gather, two matmuls and a softmax (``worker.attention.uses_own_k
 the sampler's greedy choices.
 
 The sources compile with ``torch.utils.cpp_extension`` (about 10 s) into nanoserve's cache
-directory and loads from there afterwards; a changed source or torch version rebuilds it. On a
-CPU without AVX-512, or where the build fails, ``available()`` is False and callers keep their
-torch code.
+directory and load from there afterwards; a changed source, flag or torch version rebuilds
+them. On a CPU without AVX-512, or where the build fails, ``available()`` is False and callers
+keep their torch code.
 """
 
 from __future__ import annotations
@@ -32,16 +33,17 @@ _CFLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx5
 BF16_FLAG = "avx512_bf16"
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
     """This CPU's instruction sets as /proc/cpuinfo names them (Linux only; else empty)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def cpu_supports() -> bool:
@@ -77,15 +79,20 @@ def available() -> bool:
     return True
 
 
+def put_ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH; the pip package's binary need not be on it."""
+    import ninja
+
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.cache  # once per process: a second library registering ``nanoserve`` would abort
 def _load() -> None:
-    import ninja
     from torch.utils import cpp_extension
 
     from worker.loader import cache_root
 
-    # cpp_extension runs ``ninja`` from PATH; the pip package's binary need not be on it.
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    put_ninja_on_path()
     # One directory per flag set: processes built both ways never overwrite each other's library.
     flavour = "-bf16" if uses_bf16() else ""
     build = cache_root() / "kernels" / f"torch-{torch.__version__}{flavour}"
