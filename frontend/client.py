@@ -15,7 +15,6 @@ import os
 import time
 import uuid
 
-import msgspec
 import zmq
 import zmq.asyncio
 from prometheus_client import Gauge
@@ -31,6 +30,7 @@ from protocol.messages import (
     AddRequest,
     EngineStats,
     FrontendHello,
+    FrontendToScheduler,
     Heartbeat,
     Outputs,
     RequestOutput,
@@ -64,9 +64,7 @@ class SchedulerClient:
         self._connected = False
         self._routes: dict[str, tuple[int, asyncio.Queue[Delivery]]] = {}
         self._context: zmq.asyncio.Context | None = None
-        self._socket: zmq.asyncio.Socket | None = None
         self._channel: Channel[SchedulerToFrontend] | None = None
-        self._encoder = msgspec.msgpack.Encoder()
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = asyncio.Event()
         self._fault_gauges = _fault_gauges(self.metrics)
@@ -85,7 +83,6 @@ class SchedulerClient:
         socket.setsockopt(zmq.RCVHWM, 100_000)
         monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         socket.connect(self.config.addresses.frontend)
-        self._socket = socket
         self._channel = Channel(socket, SchedulerToFrontend)
         loop = asyncio.get_running_loop()
         self._tasks = [
@@ -105,7 +102,7 @@ class SchedulerClient:
             # linger 0, so closing can never block on undelivered messages.
             self._context.destroy(linger=0)
             self._context = None
-        self._socket = None
+        self._channel = None
 
     # -- state -------------------------------------------------------------------------------
 
@@ -173,21 +170,10 @@ class SchedulerClient:
         if self._routes.pop(request_id, None) is not None:
             self._send_now(Abort(request_id=request_id))
 
-    def _send_now(self, message: msgspec.Struct) -> bool:
-        """Send without waiting: False (message dropped) when no scheduler can take it now.
-
-        Channel.send has no flags, so this frames the DEALER message itself: with DONTWAIT,
-        zmq.asyncio resolves the send at once and never leaves one pending, and (unlike a
-        send on a shadow socket) it keeps the socket's edge-triggered read wake-ups intact.
-        """
-        if self._socket is None:
-            return False
-        frames = [self._encoder.encode(message)]
-        future = self._socket.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
-        if not future.done():  # cannot happen with DONTWAIT; never leave it dangling
-            future.cancel()
-            return False
-        return future.exception() is None
+    def _send_now(self, message: FrontendToScheduler) -> bool:
+        """Send without waiting: False (message dropped) when no scheduler can take it now."""
+        channel = self._channel
+        return channel is not None and channel.try_send(message)
 
     # -- background tasks --------------------------------------------------------------------
 

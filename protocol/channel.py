@@ -4,10 +4,12 @@ Every socket in nanoserve is either a ROUTER (bound by the scheduler; frames are
 ``[peer_identity, payload]``) or a DEALER (frontends and the worker; frames are ``[payload]``).
 The same class serves both, blocking or asyncio (``zmq.asyncio`` sockets). A frame that does not
 decode into the socket's union raises ``BadMessage``: callers log it, count it and carry on.
+No other module encodes or decodes a wire message.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -55,6 +57,27 @@ class Channel(Generic[T]):
     def send(self, message: msgspec.Struct, peer: bytes | None = None) -> None:
         """Send without blocking the caller's loop (ROUTER drops frames for unknown peers)."""
         self.socket.send_multipart(self._frames(message, peer), copy=False)
+
+    def try_send(self, message: msgspec.Struct, peer: bytes | None = None) -> bool:
+        """Queue ``message`` now or drop it: False when the socket cannot take it (no connected
+        peer under ``IMMEDIATE``, or the high-water mark reached). Never blocks, blocking socket
+        or ``zmq.asyncio``. On an asyncio socket a DONTWAIT send resolves at once, so no send is
+        ever left pending, and unlike a send through a shadow socket it keeps the asyncio
+        socket's edge-triggered read wake-ups intact."""
+        frames = self._frames(message, peer)
+        try:
+            sent = self.socket.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
+        except zmq.Again:
+            return False
+        if not asyncio.isfuture(sent):
+            return True
+        if not sent.done():  # cannot happen with DONTWAIT; never leave one dangling
+            sent.cancel()
+            return False
+        error = sent.exception()
+        if error is not None and not isinstance(error, zmq.Again):
+            raise error
+        return error is None
 
     def recv(self) -> tuple[bytes | None, T]:
         """Receive one message as ``(peer, message)``; peer is None on a DEALER."""

@@ -17,7 +17,6 @@ import threading
 import time
 import uuid
 
-import msgspec
 import zmq
 
 from protocol.addresses import Addresses
@@ -145,14 +144,10 @@ def _heartbeats(
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDHWM, 2)
     socket.connect(address)
-    encoder = msgspec.msgpack.Encoder()
+    channel: Channel[SchedulerToWorker] = Channel(socket, SchedulerToWorker)  # it only sends
     try:
         while not stop.wait(period):
-            try:
-                beat = Heartbeat(sender=identity, time=time.time())
-                socket.send(encoder.encode(beat), zmq.DONTWAIT)
-            except zmq.Again:
-                pass
+            channel.try_send(Heartbeat(sender=identity, time=time.time()))
     finally:
         socket.close(0)
 
