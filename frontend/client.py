@@ -10,6 +10,7 @@ restarted scheduler learns about it. When the scheduler disconnects or stays sil
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 import time
@@ -21,8 +22,8 @@ from prometheus_client import Gauge
 from zmq.utils.monitor import parse_monitor_message
 
 from frontend.config import FrontendConfig
+from frontend.geometry import Geometry
 from frontend.metrics import Metrics
-from frontend.request_parser import Geometry
 from protocol.channel import BadMessage, Channel
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -42,6 +43,15 @@ from protocol.messages import (
 log = logging.getLogger(__name__)
 
 
+class Link(enum.Enum):
+    """Where this frontend stands with the scheduler."""
+
+    DISCONNECTED = "disconnected"  # no connection: none yet, or the socket monitor saw it close
+    CONNECTED = "connected"  # connected; no SchedulerInfo yet, or none since it went silent
+    REFUSED = "refused"  # its SchedulerInfo speaks another protocol version
+    GREETED = "greeted"  # its SchedulerInfo speaks ours: ``info`` describes it
+
+
 class SchedulerLost(Exception):
     """The scheduler went away while a request was in flight."""
 
@@ -57,11 +67,11 @@ class SchedulerClient:
         self.config = config
         self.metrics = metrics or Metrics()
         self.frontend_id = f"frontend-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.info: SchedulerInfo | None = None
+        self.link = Link.DISCONNECTED
+        self.info: SchedulerInfo | None = None  # the scheduler's latest, refused or not
         self.stats = EngineStats()
         self.last_heard: float | None = None  # monotonic time of the scheduler's last message
         self.last_progress: float | None = None  # when steps last advanced (or nothing ran)
-        self._connected = False
         self._routes: dict[str, tuple[int, asyncio.Queue[Delivery]]] = {}
         self._context: zmq.asyncio.Context | None = None
         self._channel: Channel[SchedulerToFrontend] | None = None
@@ -111,7 +121,8 @@ class SchedulerClient:
         """True while connected and heard from within ``scheduler_timeout``."""
         heard = self.last_heard
         timeout = self.config.scheduler_timeout
-        return self._connected and heard is not None and time.monotonic() - heard <= timeout
+        connected = self.link is not Link.DISCONNECTED
+        return connected and heard is not None and time.monotonic() - heard <= timeout
 
     def unavailable_reason(self) -> str | None:
         """Why requests cannot be served now, or None when they can."""
@@ -119,7 +130,7 @@ class SchedulerClient:
             return "the scheduler is not connected"
         if self.info is None:
             return "waiting for the scheduler's SchedulerInfo"
-        if self.info.protocol_version != PROTOCOL_VERSION:
+        if self.link is Link.REFUSED:
             return f"scheduler speaks protocol {self.info.protocol_version}, not {PROTOCOL_VERSION}"
         if not self.info.worker_ready:
             return self.info.reason or "no worker is ready"
@@ -189,7 +200,8 @@ class SchedulerClient:
                 log.warning("dropped a bad frame from the scheduler: %s", exc)
                 continue
             self.last_heard = time.monotonic()
-            self._connected = True  # a message can only come over a live connection
+            if self.link is Link.DISCONNECTED:  # a message can only come over a connection
+                self.link = Link.CONNECTED
             match message:
                 case Outputs():
                     self._on_outputs(message)
@@ -226,14 +238,19 @@ class SchedulerClient:
 
     def _on_info(self, info: SchedulerInfo) -> None:
         if info.protocol_version != PROTOCOL_VERSION:
-            log.error(
-                "scheduler protocol %d != frontend protocol %d: refusing it",
-                info.protocol_version,
-                PROTOCOL_VERSION,
-            )
-        elif self.info is None or self.info.worker_ready != info.worker_ready:
-            state = "ready" if info.worker_ready else f"not ready ({info.reason})"
-            log.info("scheduler: worker %s", state)
+            if self.link is not Link.REFUSED:
+                log.error(
+                    "scheduler protocol %d != frontend protocol %d: refusing it",
+                    info.protocol_version,
+                    PROTOCOL_VERSION,
+                )
+            self.link = Link.REFUSED
+        else:
+            known = self.info if self.link is Link.GREETED else None
+            if known is None or known.worker_ready != info.worker_ready:
+                state = "ready" if info.worker_ready else f"not ready ({info.reason})"
+                log.info("scheduler: worker %s", state)
+            self.link = Link.GREETED
         self.info = info
         self.last_progress = time.monotonic()
 
@@ -242,10 +259,11 @@ class SchedulerClient:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_CONNECTED:
-                    self._connected = True
+                    if self.link is Link.DISCONNECTED:
+                        self.link = Link.CONNECTED
                     await self._greet()
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
-                    self._lose("the scheduler disconnected")
+                    self._lose("the scheduler disconnected", Link.DISCONNECTED)
         finally:
             monitor.close(linger=0)
 
@@ -265,18 +283,18 @@ class SchedulerClient:
             quiet_for = now - self.last_heard if self.last_heard is not None else None
             if quiet_for is None or quiet_for > self.config.heartbeat_interval * 1.5:
                 self._send_now(self._hello())  # a restarted scheduler learns about us
-            if self.info is not None and not self.alive:
-                self._lose("the scheduler stopped answering")
+            if self.link in (Link.GREETED, Link.REFUSED) and not self.alive:
+                self._lose("the scheduler stopped answering", Link.CONNECTED)
 
     def _hello(self) -> FrontendHello:
         return FrontendHello(protocol_version=PROTOCOL_VERSION, frontend_id=self.frontend_id)
 
-    def _lose(self, reason: str) -> None:
-        """Fail every in-flight request and forget the scheduler's state."""
+    def _lose(self, reason: str, link: Link) -> None:
+        """Fail every in-flight request and forget the scheduler's state. ``link`` is where that
+        leaves the connection: DISCONNECTED when it closed, CONNECTED when it went silent."""
         if self.info is not None or self._routes:
             log.error("%s: failing %d in-flight requests", reason, len(self._routes))
-        if reason == "the scheduler disconnected":
-            self._connected = False
+        self.link = link
         self.info = None
         self.last_heard = None
         self._ready.clear()

@@ -9,27 +9,13 @@ import msgspec
 
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError
+from frontend.geometry import Geometry
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from frontend.tokenizer import ChatTokenizer
 from protocol.messages import SamplingParams
 
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 _SEED_LIMIT = 1 << 63
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """What the scheduler said about its worker: context length and KV pool size in tokens."""
-
-    model_id: str
-    max_model_len: int
-    num_blocks: int
-    block_size: int
-
-    @property
-    def pool_tokens(self) -> int:
-        """How many tokens the whole KV pool can hold."""
-        return self.num_blocks * self.block_size
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ class FakeScheduler:
         block_size: int = 16,
         worker_ready: bool = True,
         token_delay: float = 0.0,
+        protocol_version: int = PROTOCOL_VERSION,
     ) -> None:
         self.address = address
         self.reply = reply
@@ -51,6 +52,7 @@ class FakeScheduler:
         )
         self.worker_ready = worker_ready
         self.token_delay = token_delay
+        self.protocol_version = protocol_version
         self.adds: list[AddRequest] = []
         self.aborts: list[str] = []
         self.aborted = asyncio.Event()
@@ -80,7 +82,7 @@ class FakeScheduler:
     def info(self) -> SchedulerInfo:
         """The SchedulerInfo this fake answers with."""
         return SchedulerInfo(
-            protocol_version=PROTOCOL_VERSION,
+            protocol_version=self.protocol_version,
             worker_ready=self.worker_ready,
             model_id="fake",
             **self.geometry,

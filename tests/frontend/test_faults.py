@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -15,8 +16,10 @@ import time
 import aiohttp
 import pytest
 
+from frontend.client import Link
 from frontend.config import FrontendConfig
-from tests.frontend.conftest import REPLY, Server, _addresses, reply_tokens
+from protocol.messages import PROTOCOL_VERSION
+from tests.frontend.conftest import REPLY, Server, _addresses, reply_tokens, start_server
 from tests.frontend.fake_scheduler import FakeScheduler
 
 
@@ -42,6 +45,29 @@ async def test_scheduler_loss_fails_streams_then_recovers(server: Server) -> Non
     await server.client.wait_ready(timeout=5)
     again = await server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 100})
     assert (await again.json())["choices"][0]["text"] == REPLY
+
+
+async def test_a_scheduler_on_another_protocol_version_is_refused(tokenizer, caplog) -> None:
+    """Its SchedulerInfo is refused with one error line; /health and each 503 say why."""
+    other = PROTOCOL_VERSION - 1
+    with caplog.at_level(logging.ERROR, logger="frontend.client"):
+        async for server in start_server(tokenizer, {"protocol_version": other}, wait=False):
+            deadline = time.monotonic() + 10
+            while server.client.link is not Link.REFUSED and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # the hello and its answer cross real sockets
+            assert server.client.link is Link.REFUSED
+            why = f"scheduler speaks protocol {other}, not {PROTOCOL_VERSION}"
+            health = await server.http.get(server.url + "/health")
+            assert health.status == 503 and (await health.json())["reason"] == why
+            refused = await server.post("/v1/completions", {"prompt": "Hi"})
+            assert refused.status == 503 and refused.headers["Retry-After"] == "1"
+            assert (await refused.json())["error"]["message"] == why
+            await asyncio.sleep(0.3)  # heartbeats and stats keep arriving: still refused
+            assert server.client.link is Link.REFUSED and server.fake.adds == []
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert lines == [
+        f"scheduler protocol {other} != frontend protocol {PROTOCOL_VERSION}: refusing it"
+    ]
 
 
 def _free_port() -> int:
