@@ -165,12 +165,7 @@ class SchedulerClient:
         """Send one scheduler request; its outputs arrive on ``queue`` as ``(index, output)``."""
         if not self.alive:
             raise SchedulerLost("the scheduler is not connected")
-        message = AddRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            params=params,
-            arrival_time=time.time(),
-        )
+        message = AddRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params)
         self._routes[request_id] = (index, queue)
         if not self._send_now(message):
             self._routes.pop(request_id, None)

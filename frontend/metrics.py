@@ -40,9 +40,6 @@ class Metrics:
         self._last_preemptions = 0
         self.steps = Gauge("nanoserve:num_steps", "Steps since the scheduler started", registry=r)
         # Running totals kept by the scheduler, mirrored here as gauges (they reset with it).
-        self.step_in_flight = Gauge(
-            "nanoserve:step_in_flight", "1 while the worker computes a step", registry=r
-        )
         self.steps_in_flight = Gauge(
             "nanoserve:steps_in_flight",
             "Steps sent to the worker and not answered yet (2 while overlap runs ahead)",
@@ -118,7 +115,6 @@ class Metrics:
         self._last_preemptions = total_preempted
         self.steps.set(stats.num_steps_total)
         self.worker_ready.set(1 if stats.worker_ready else 0)
-        self.step_in_flight.set(1 if stats.step_in_flight else 0)
         self.steps_in_flight.set(stats.steps_in_flight)
         self.worker_resident.set(stats.worker_resident_bytes)
         self.messages_during_step.set(stats.messages_during_step_total)

@@ -2,9 +2,14 @@
 
 Conventions (see ../docs/architecture.md):
 - every struct is ``array_like`` (encoded as a msgpack array): fields are only ever appended,
-  with defaults, and never reordered, so an older peer can still decode a newer message;
-- one tagged union per receiving socket (``ToWorker``, ``ToScheduler``, ``ToFrontend``), decoded
-  by one typed decoder, so a message of the wrong type is a decode error, never a surprise;
+  with defaults, and never reordered, so an older peer can still decode a newer message; a field
+  removed or reordered bumps ``PROTOCOL_VERSION``;
+- one tagged union per receiving socket (``SchedulerToWorker``, ``WorkerToScheduler``,
+  ``FrontendToScheduler``, ``SchedulerToFrontend``), decoded by one typed decoder, so a message
+  of the wrong type is a decode error, never a surprise;
+- the messages that introduce a peer (FrontendHello, SchedulerInfo, WorkerReady, SchedulerHello)
+  carry ``protocol_version`` as their first field, so a peer on another version can still read
+  it and refuse them by name;
 - a step sends what changed (new tokens, new block ids), not whole request state.
 """
 
@@ -12,7 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: StepItem token ids may be PENDING_TOKEN (overlapped scheduling)
+PROTOCOL_VERSION = 3
 
 PENDING_TOKEN = -1
 """A token the scheduler has not seen yet: the one the worker sampled for this row in the
@@ -109,7 +114,6 @@ class Sample(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=Tru
     """One sampled token. ``top_logprobs`` is ``[(token_id, logprob), ...]``, best first."""
 
     request_id: str
-    slot: int
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
@@ -185,7 +189,6 @@ class AddRequest(Message):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_time: float = 0.0
 
 
 class Abort(Message):
@@ -230,7 +233,6 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     num_steps_total: int = 0
     worker_ready: bool = False
     worker_busy_s_total: float = 0.0
-    step_in_flight: bool = False
     messages_during_step_total: int = 0
     scheduler_busy_s_total: float = 0.0
     bad_messages_total: int = 0  # frames the scheduler dropped (garbage, wrong type, version)

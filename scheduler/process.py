@@ -431,7 +431,6 @@ class SchedulerProcess:
             num_steps_total=self.counters.steps,
             worker_ready=self.worker is not None,
             worker_busy_s_total=self.worker.busy_s if self.worker else 0.0,
-            step_in_flight=self._steps_in_flight() > 0,
             steps_in_flight=self._steps_in_flight(),
             worker_resident_bytes=self.worker.resident_bytes if self.worker else 0,
             messages_during_step_total=self.counters.messages_during_step,

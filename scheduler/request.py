@@ -40,7 +40,6 @@ class Request:
     params: SamplingParams
     arrival: int  # arrival sequence number: the queue order the auditor checks
     output_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     block_ids: list[int] = field(default_factory=list)
@@ -82,8 +81,3 @@ class Request:
         # Sliced apart, never concatenated whole: a decode step must not cost O(context).
         known = prompt[start:n] + self.output_token_ids[max(0, start - n) : stop - n]
         return known + [PENDING_TOKEN] * (stop - start - len(known))
-
-    @property
-    def is_prefilling(self) -> bool:
-        """True while tokens other than the last sampled one still need computing."""
-        return self.num_computed < self.num_tokens - 1

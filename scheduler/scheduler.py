@@ -50,7 +50,6 @@ class Batch:
 
     chunks: list[ScheduledChunk]
     released_slots: list[int]
-    preempted: list[Request]
 
 
 class Scheduler:
@@ -173,15 +172,14 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Decide this iteration's work (see the module docstring for the phases)."""
         chunks: list[ScheduledChunk] = []
-        preempted: list[Request] = []
         # Phase 1: grow the running requests, preempting the newest when blocks run out.
-        budget = self._grow(chunks, preempted, self.token_budget)
+        budget = self._grow(chunks, self.token_budget)
         # Phase 2: admit from the head of the waiting queue.
         self._admit(chunks, budget)
         released, self._pending_releases = self._pending_releases, []
-        return Batch(chunks, released, preempted)
+        return Batch(chunks, released)
 
-    def _grow(self, chunks: list[ScheduledChunk], preempted: list[Request], budget: int) -> int:
+    def _grow(self, chunks: list[ScheduledChunk], budget: int) -> int:
         for request in list(self.running):
             if budget == 0:
                 break
@@ -190,12 +188,12 @@ class Scheduler:
             if self._finish_is_certain(request):
                 continue  # its in-flight sample ends it by length: no surplus step
             n = min(request.num_tokens - request.num_computed, budget)
-            if self._reserve_blocks(request, request.num_computed + n, preempted):
+            if self._reserve_blocks(request, request.num_computed + n):
                 chunks.append(self._chunk(request, n))
                 budget -= n
         return budget
 
-    def _reserve_blocks(self, request: Request, length: int, preempted: list[Request]) -> bool:
+    def _reserve_blocks(self, request: Request, length: int) -> bool:
         """Give ``request`` blocks for ``length`` tokens; False if it was preempted instead."""
         missing = self.allocator.blocks_for_length(length) - len(request.block_ids)
         while missing > self.allocator.num_free:
@@ -203,7 +201,6 @@ class Scheduler:
             if victim is self.running[0]:
                 raise RuntimeError(f"request {victim.request_id} cannot grow in an empty pool")
             self._preempt(victim)
-            preempted.append(victim)
             if victim is request:
                 return False
         if missing > 0:

@@ -87,7 +87,7 @@ class SimWorker:
         for item in step.items:
             token = self._run_item(item)
             if token is not None:
-                samples.append(Sample(request_id=item.request_id, slot=item.slot, token_id=token))
+                samples.append(Sample(request_id=item.request_id, token_id=token))
         rows = self.rows() if step.audit else None
         return StepResult(
             step_id=step.step_id, samples=samples, rows=rows, forward_s=time.perf_counter() - began

@@ -147,7 +147,6 @@ class Worker:
         samples = [
             Sample(
                 request_id=item.request_id,
-                slot=item.slot,
                 token_id=draw.token_id,
                 logprob=draw.logprob,
                 top_logprobs=draw.top_logprobs,

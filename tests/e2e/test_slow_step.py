@@ -67,7 +67,7 @@ async def test_adds_and_aborts_are_taken_in_during_a_step(slow_server):
         queued = await _snapshot_where(
             server,
             lambda m: (
-                m["nanoserve:step_in_flight"] == 1 and m["nanoserve:num_requests_waiting"] == 1
+                m["nanoserve:steps_in_flight"] >= 1 and m["nanoserve:num_requests_waiting"] == 1
             ),
         )
         assert queued["nanoserve:num_requests_running"] == 1
@@ -97,8 +97,7 @@ async def test_the_next_step_is_queued_while_one_computes(slow_server, tmp_path)
     body = {"model": MODEL, "prompt": "The sea is", "max_tokens": 4, "temperature": 0}
     async with aiohttp.ClientSession() as session:
         task = asyncio.create_task(session.post(slow_server.url + "/v1/completions", json=body))
-        both = await _snapshot_where(slow_server, lambda m: m["nanoserve:steps_in_flight"] == 2)
-        assert both["nanoserve:step_in_flight"] == 1
+        await _snapshot_where(slow_server, lambda m: m["nanoserve:steps_in_flight"] == 2)
         response = await asyncio.wait_for(task, timeout=60)
         text = (await response.json())["choices"][0]["text"]
     # Each result carries the worker's resident memory: the weights alone are over 128 MiB.
