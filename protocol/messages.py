@@ -223,7 +223,27 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_o
 
 
 class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
-    """Gauges and counters for /metrics, sent with every batch of outputs."""
+    """Gauges and counters for /metrics, sent with every batch of outputs.
+
+    A ``_total`` counts from the start of the scheduler process and restarts from 0 with it (the
+    engine's own, from the start of the engine, which a worker of another geometry replaces).
+
+    - ``num_running``, ``num_waiting``: requests holding a slot, and requests queued for one.
+    - ``kv_blocks_used``, ``kv_blocks_total``: KV blocks held by requests; the pool's size.
+    - ``num_preemptions_total``: running requests sent back to waiting to be recomputed (for
+      want of blocks, or because the worker was lost).
+    - ``num_steps_total``: steps whose results came back and were applied to the requests.
+    - ``worker_ready``: a worker has announced itself and not been lost since.
+    - ``worker_busy_s_total``: the worker's own time in the steps counted by ``num_steps_total``.
+    - ``messages_during_step_total``: frontend messages taken in while a step was in flight.
+    - ``scheduler_busy_s_total``: time spent planning steps and applying their results.
+    - ``bad_messages_total``: frames dropped from any peer (garbage, wrong type, another
+      protocol version, a worker that does not fit).
+    - ``workers_lost_total``, ``frontends_lost_total``: peers given up on (connection closed or
+      silent too long).
+    - ``steps_in_flight``: steps sent and not yet answered (2 while overlap runs ahead).
+    - ``worker_resident_bytes``: the worker process's resident memory after its last step.
+    """
 
     num_running: int = 0
     num_waiting: int = 0
@@ -235,10 +255,10 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     worker_busy_s_total: float = 0.0
     messages_during_step_total: int = 0
     scheduler_busy_s_total: float = 0.0
-    bad_messages_total: int = 0  # frames the scheduler dropped (garbage, wrong type, version)
+    bad_messages_total: int = 0
     workers_lost_total: int = 0
     frontends_lost_total: int = 0
-    steps_in_flight: int = 0  # 2 while overlap keeps the next step queued behind the current
+    steps_in_flight: int = 0
     worker_resident_bytes: int = 0
 
 

@@ -76,6 +76,7 @@ class Engine:
         self.depth = 2 if config.overlap else 1  # steps in flight at most
         self._in_flight: deque[tuple[Batch, StepInput]] = deque()  # oldest first
         self._next_step_id = 0
+        self._steps_applied = 0
         self._busy_s = 0.0
 
     @classmethod
@@ -167,6 +168,7 @@ class Engine:
         if not self._in_flight or result.step_id != self._in_flight[0][1].step_id:
             raise RuntimeError(f"result for step {result.step_id} is not the oldest in flight")
         batch, _ = self._in_flight.popleft()
+        self._steps_applied += 1
         self._busy_s += result.forward_s
         samples = {s.request_id: s for s in result.samples}
         outputs = []
@@ -264,7 +266,8 @@ class Engine:
         return [_merge(rid, collected[rid]) for rid in ids]
 
     def stats(self) -> EngineStats:
-        """Gauges and counters for /metrics."""
+        """The gauges and counters this engine keeps (see EngineStats for each meaning); the
+        scheduler process fills in the ones about its sockets and peers."""
         s = self.scheduler
         return EngineStats(
             num_running=len(s.running),
@@ -272,9 +275,10 @@ class Engine:
             kv_blocks_used=s.allocator.num_blocks - s.allocator.num_free,
             kv_blocks_total=s.allocator.num_blocks,
             num_preemptions_total=s.num_preemptions_total,
-            num_steps_total=self._next_step_id,
+            num_steps_total=self._steps_applied,
             worker_ready=True,
             worker_busy_s_total=self._busy_s,
+            steps_in_flight=len(self._in_flight),
         )
 
 

@@ -143,3 +143,15 @@ def test_stats_count_steps_blocks_and_preemptions() -> None:
     run_to_end(engine)
     assert engine.stats().num_preemptions_total == engine.scheduler.num_preemptions_total > 0
     assert not engine.scheduler.running and engine.stats().kv_blocks_used == 0
+
+
+def test_num_steps_total_counts_applied_steps_not_planned_ones() -> None:
+    engine = make_engine(num_blocks=16, num_slots=2)  # overlap: two steps in flight
+    engine.add_request("r", [1, 2, 3], GREEDY)
+    first, second = engine.plan(), engine.plan()
+    assert first is not None and second is not None
+    stats = engine.stats()
+    assert (stats.num_steps_total, stats.steps_in_flight) == (0, 2)
+    engine.apply(engine.worker.execute(first))
+    stats = engine.stats()
+    assert (stats.num_steps_total, stats.steps_in_flight) == (1, 1)
