@@ -18,21 +18,8 @@ class WorkerPeer:
     peer: bytes
     ready: WorkerReady
     last_seen: float
-    busy_s: float = 0.0
-    resident_bytes: int = 0
+    resident_bytes: int = 0  # after its last step
     fd: int | None = None  # the connection its messages arrive on, to match monitor events
-
-
-@dataclass
-class Counters:
-    """Running totals the scheduler reports in EngineStats."""
-
-    bad_messages: int = 0
-    steps: int = 0
-    messages_during_step: int = 0  # frontend messages taken in while the worker computed
-    scheduler_s: float = 0.0  # time spent planning and applying, not waiting on the worker
-    workers_lost: int = 0
-    frontends_lost: int = 0
 
 
 class Frontends:
@@ -71,6 +58,7 @@ class Frontends:
 
 
 def failed(request_id: str, reason: str) -> RequestOutput:
+    """A request's end with finish_reason "error" and why."""
     return RequestOutput(
         request_id=request_id, new_token_ids=[], finish_reason="error", error=reason
     )

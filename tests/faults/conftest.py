@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -37,6 +39,20 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         running.stop()
         print("\nfault timings (s):", json.dumps(TIMINGS, indent=1))
         (running.log_dir / "timings.json").write_text(json.dumps(TIMINGS, indent=1))
+
+
+@pytest.fixture
+def lone_scheduler(tmp_path):
+    """A real scheduler process and nothing else: tests talk to its two ROUTERs through raw
+    DEALER sockets at ``default_addresses(lone_scheduler.run_id)``."""
+    run_id = f"s{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "NANOSERVE_RUN_ID": run_id, "PYTHONUNBUFFERED": "1"}
+    running = Server(port=0, run_id=run_id, log_dir=tmp_path, env=env)
+    running.start("scheduler")
+    try:
+        yield running
+    finally:
+        running.stop()
 
 
 def record(name: str, seconds: float) -> None:

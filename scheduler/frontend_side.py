@@ -1,0 +1,186 @@
+"""FrontendSide: the scheduler process's dealings with the frontends it serves.
+
+It owns the frontends' socket, the registry of frontends heard from, and which frontend owns
+each request. It answers hellos, queues adds on the worker side's engine, applies aborts, and
+sends each frontend the outputs of its own requests, with the gauges. What happens on the
+worker's side reaches the frontends through ``publish``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+
+from protocol.channel import Channel
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AddRequest,
+    EngineStats,
+    FrontendHello,
+    FrontendToScheduler,
+    Heartbeat,
+    Outputs,
+    RequestOutput,
+)
+from scheduler.peers import Frontends, check_request, failed
+from scheduler.worker_side import WorkerNews, WorkerSide
+
+log = logging.getLogger("nanoserve.scheduler")
+
+
+class FrontendSide:
+    """The frontends' socket, the frontends heard from, and the owner of every request."""
+
+    def __init__(self, channel: Channel[FrontendToScheduler], workers: WorkerSide) -> None:
+        self.channel = channel
+        self.workers = workers
+        self.peers = Frontends()
+        self.owner: dict[str, bytes] = {}  # request id -> the frontend that sent it
+        self.bad_messages = 0
+        self.frontends_lost = 0
+        self.messages_during_step = 0
+
+    def stats(self) -> EngineStats:
+        """Every gauge and counter: the worker side's, with this side's own."""
+        base = self.workers.stats()
+        return msgspec.structs.replace(
+            base,
+            bad_messages_total=base.bad_messages_total + self.bad_messages,
+            frontends_lost_total=self.frontends_lost,
+            messages_during_step_total=self.messages_during_step,
+        )
+
+    # -- messages ------------------------------------------------------------------------------
+
+    def on_message(self, peer: bytes, message: FrontendToScheduler, fd: int | None) -> None:
+        """Handle one message from a frontend."""
+        known = self.peers.heard(peer, time.monotonic(), fd)
+        if self.workers.steps_in_flight:
+            self.messages_during_step += 1
+        match message:
+            case AddRequest():
+                self._add(peer, message)
+            case Abort():
+                self._abort(message.request_id)
+            case FrontendHello():
+                self._hello(peer, message)
+            case Heartbeat():
+                if not known:  # a frontend from before our restart: tell it who we are
+                    self.channel.send(self.workers.info(), peer)
+
+    def bad(self, what: str) -> None:
+        """Count and log a message dropped from the frontends' socket."""
+        self.bad_messages += 1
+        log.warning("dropped a bad message from %s", what)
+
+    def _hello(self, peer: bytes, hello: FrontendHello) -> None:
+        if hello.protocol_version != PROTOCOL_VERSION:
+            self.bad_messages += 1
+            log.error(
+                "frontend %s speaks protocol %d, this scheduler %d: ignored",
+                hello.frontend_id,
+                hello.protocol_version,
+                PROTOCOL_VERSION,
+            )
+            return
+        self.channel.send(self.workers.info(), peer)
+
+    def _add(self, peer: bytes, add: AddRequest) -> None:
+        engine = self.workers.engine
+        if engine is None or not self.workers.accepts_requests():
+            self._reply(peer, [failed(add.request_id, self.workers.no_worker_reason)])
+            return
+        if add.request_id in self.owner:
+            self.bad(f"peer {peer!r}: request id {add.request_id!r} is already in use")
+            return
+        try:
+            # The frontend validates; this is the last line of defence for a raw peer, so that
+            # a poisonous request can never crash the worker over and over.
+            check_request(add, engine.ready_info.vocab_size)
+            engine.add_request(add.request_id, list(add.prompt_token_ids), add.params)
+        except ValueError as exc:
+            self._reply(peer, [failed(add.request_id, str(exc))])
+            return
+        self.owner[add.request_id] = peer
+
+    def _abort(self, request_id: str) -> None:
+        engine = self.workers.engine
+        if engine is not None and request_id in self.owner:
+            engine.abort(request_id)
+        self.owner.pop(request_id, None)
+
+    # -- news for the frontends ----------------------------------------------------------------
+
+    def publish(self, news: WorkerNews | None) -> None:
+        """Pass on what happened on the worker's side: failures first, then outputs, then the
+        new SchedulerInfo."""
+        if news is None:
+            return
+        if news.fail_reason is not None:
+            self._fail_all(news.fail_reason)
+        if news.outputs:
+            self._route(news.outputs)
+        if news.changed:
+            self.tell_all()
+
+    def tell_all(self) -> None:
+        """Send every frontend the current SchedulerInfo."""
+        info = self.workers.info()
+        for frontend in self.peers:
+            self.channel.send(info, frontend)
+
+    def heartbeat(self) -> None:
+        """Send every frontend the gauges and a heartbeat."""
+        gauges = Outputs(outputs=[], stats=self.stats())
+        beat = Heartbeat(sender="scheduler", time=time.time())
+        for frontend in self.peers:
+            self.channel.send(gauges, frontend)
+            self.channel.send(beat, frontend)
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        """Send each frontend the outputs of its own requests, finished ones forgotten."""
+        by_peer: dict[bytes, list[RequestOutput]] = {}
+        for output in outputs:
+            peer = self.owner.get(output.request_id)
+            if peer is None:
+                continue  # aborted while its step was in flight
+            by_peer.setdefault(peer, []).append(output)
+            if output.finish_reason is not None:
+                del self.owner[output.request_id]
+        for peer, batch in by_peer.items():
+            self._reply(peer, batch)
+
+    def _fail_all(self, reason: str) -> None:
+        """Fail every request: each owner gets finish_reason "error" with ``reason``."""
+        log.error("%s: failing %d requests", reason, len(self.owner))
+        engine = self.workers.engine
+        by_peer: dict[bytes, list[RequestOutput]] = {}
+        for request_id, peer in self.owner.items():
+            if engine is not None:
+                engine.abort(request_id)
+            by_peer.setdefault(peer, []).append(failed(request_id, reason))
+        self.owner.clear()
+        for peer, batch in by_peer.items():
+            self._reply(peer, batch)
+
+    def _reply(self, peer: bytes, outputs: list[RequestOutput]) -> None:
+        self.channel.send(Outputs(outputs=outputs, stats=self.stats()), peer)
+
+    # -- loss ----------------------------------------------------------------------------------
+
+    def lost(self, peer: bytes, why: str) -> None:
+        """Forget a frontend and abort its requests: nobody is left to read their tokens."""
+        self.peers.forget(peer)
+        self.frontends_lost += 1
+        orphans = [request_id for request_id, owner in self.owner.items() if owner == peer]
+        for request_id in orphans:
+            self._abort(request_id)
+        log.warning("frontend %r lost (%s): aborted its %d requests", peer, why, len(orphans))
+
+    def fd_closed(self, fd: int) -> None:
+        """A connection of the frontends' socket closed: lose the frontends it carried."""
+        for peer in self.peers.on_fd(fd):
+            self.lost(peer, "its connection closed")

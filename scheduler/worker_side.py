@@ -1,0 +1,252 @@
+"""WorkerSide: the scheduler process's dealings with its one worker.
+
+It owns the Engine (built when the first worker announces its geometry), the worker's socket
+and what the scheduler knows of the worker: who it is, when it was last heard, when it was
+lost. It greets a worker it does not know, takes its announcement, sends it steps and applies
+their results. It knows nothing of frontends: every handler returns ``WorkerNews``, what the
+frontends must hear, and the process passes that on to ``FrontendSide.publish``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from protocol.channel import Channel
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    EngineStats,
+    Heartbeat,
+    RequestOutput,
+    SchedulerHello,
+    SchedulerInfo,
+    StepResult,
+    WorkerReady,
+    WorkerToScheduler,
+)
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
+from scheduler.peers import WorkerPeer, geometry
+
+log = logging.getLogger("nanoserve.scheduler")
+
+
+@dataclass(frozen=True)
+class WorkerNews:
+    """What the frontends must hear after a worker event."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)  # each to its request's owner
+    fail_reason: str | None = None  # fail every request first, with this reason
+    changed: bool = False  # a worker came or went: every frontend gets a new SchedulerInfo
+
+
+class WorkerSide:
+    """The engine, the worker's socket and the worker as the scheduler sees it."""
+
+    def __init__(self, channel: Channel[WorkerToScheduler], config: SchedulerConfig) -> None:
+        self.channel = channel
+        self.config = config
+        self.engine: Engine | None = None
+        self.worker: WorkerPeer | None = None
+        self.lost_since: float | None = None  # monotonic time the last worker was lost
+        self.no_worker_reason = "no worker has announced itself yet"
+        self.bad_messages = 0
+        self.workers_lost = 0
+        self.busy_s = 0.0  # planning steps and applying results, not waiting on the worker
+        self._hellos: dict[bytes, float] = {}  # unknown worker peer -> when we last greeted it
+        self._nothing_to_plan = False  # the last plan() found nothing: wait for an event
+
+    # -- what the frontends are told --------------------------------------------------------
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps sent to the current worker whose results have not come back (the engine keeps
+        that ledger, and forgets a lost worker's steps with it)."""
+        if self.worker is None or self.engine is None:
+            return 0
+        return self.engine.num_in_flight
+
+    def accepts_requests(self) -> bool:
+        """True while requests can be queued: a worker is ready, or one was lost lately and
+        may come back."""
+        return self.engine is not None and (self.worker is not None or self.lost_since is not None)
+
+    def info(self) -> SchedulerInfo:
+        """The SchedulerInfo every frontend gets: the worker's geometry, or why there is none."""
+        ready = self.worker.ready if self.worker else None
+        return SchedulerInfo(
+            protocol_version=PROTOCOL_VERSION,
+            worker_ready=ready is not None,
+            model_id=ready.model_id if ready else "",
+            max_model_len=ready.max_model_len if ready else 0,
+            num_blocks=ready.num_blocks if ready else 0,
+            block_size=ready.block_size if ready else 0,
+            reason="" if ready else self.no_worker_reason,
+        )
+
+    def stats(self) -> EngineStats:
+        """The engine's stats with this side's own gauges and counters."""
+        base = self.engine.stats() if self.engine is not None else EngineStats()
+        return msgspec.structs.replace(
+            base,
+            worker_ready=self.worker is not None,
+            steps_in_flight=self.steps_in_flight,
+            worker_resident_bytes=self.worker.resident_bytes if self.worker else 0,
+            scheduler_busy_s_total=self.busy_s,
+            bad_messages_total=self.bad_messages,
+            workers_lost_total=self.workers_lost,
+        )
+
+    # -- messages ------------------------------------------------------------------------------
+
+    def on_message(
+        self, peer: bytes, message: WorkerToScheduler, fd: int | None
+    ) -> WorkerNews | None:
+        """Handle one message from a worker socket."""
+        worker = self.worker
+        if worker is not None and peer == worker.peer:
+            worker.last_seen = time.monotonic()
+            worker.fd = fd if fd is not None else worker.fd
+        match message:
+            case WorkerReady():
+                return self._ready(peer, message, fd)
+            case StepResult():
+                return self._step_done(peer, message)
+            case Heartbeat():
+                self._heartbeat(message)
+        return None
+
+    def bad(self, what: str) -> None:
+        """Count and log a message dropped from a worker socket."""
+        self.bad_messages += 1
+        log.warning("dropped a bad message from %s", what)
+
+    def _heartbeat(self, beat: Heartbeat) -> None:
+        # The worker beats from a second socket; ``sender`` names its main one.
+        identity = beat.sender.encode()
+        if self.worker is not None and identity == self.worker.peer:
+            self.worker.last_seen = time.monotonic()
+        else:
+            self._greet(identity)
+
+    def _greet(self, peer: bytes) -> None:
+        """Ask a worker we do not know (we restarted, or it did) to announce itself, once a
+        second at most: heartbeats it queued while we were away arrive all at once."""
+        now = time.monotonic()
+        if now - self._hellos.get(peer, -math.inf) >= 1.0:
+            self._hellos[peer] = now
+            self.channel.send(SchedulerHello(), peer)
+
+    def _ready(self, peer: bytes, ready: WorkerReady, fd: int | None) -> WorkerNews | None:
+        """A worker announced itself: adopt it, with the engine it fits."""
+        if ready.protocol_version != PROTOCOL_VERSION:
+            self.bad_messages += 1
+            log.error(
+                "worker %r speaks protocol %d, this scheduler %d: ignored",
+                peer,
+                ready.protocol_version,
+                PROTOCOL_VERSION,
+            )
+            return None
+        fail_reason = None
+        if self.engine is not None and geometry(self.engine.ready_info) != geometry(ready):
+            log.error("the new worker's cache geometry differs: %s", geometry(ready))
+            fail_reason = "the worker was replaced by one with a different model or cache"
+            self.engine = None
+        if self.engine is None:
+            try:
+                self.engine = Engine(ready, self.config)
+            except ValueError as exc:
+                self.bad(f"a worker that does not fit this scheduler: {exc}")
+                return WorkerNews(fail_reason=fail_reason)
+        else:
+            self.engine.worker_lost()  # running requests go back to waiting with their tokens
+        lost_for = time.monotonic() - self.lost_since if self.lost_since is not None else None
+        self.worker = WorkerPeer(peer=peer, ready=ready, last_seen=time.monotonic(), fd=fd)
+        self.lost_since = None
+        self._hellos.clear()
+        log.info(
+            "worker ready: %s, %d blocks of %d%s",
+            ready.model_id,
+            ready.num_blocks,
+            ready.block_size,
+            f", {lost_for:.2f} s after the last one was lost" if lost_for is not None else "",
+        )
+        return WorkerNews(fail_reason=fail_reason, changed=True)
+
+    def _step_done(self, peer: bytes, result: StepResult) -> WorkerNews | None:
+        """Apply the oldest step's result (and audit); its outputs go to the frontends."""
+        worker, engine = self.worker, self.engine
+        if worker is None or engine is None or peer != worker.peer or not engine.num_in_flight:
+            return None
+        if result.step_id != engine.in_flight[0].step_id:
+            log.warning("stale result for step %d dropped", result.step_id)
+            return None
+        worker.resident_bytes = result.resident_bytes or worker.resident_bytes
+        started = time.perf_counter()
+        if result.error is not None:
+            log.error("worker refused step %d: %s; recomputing", result.step_id, result.error)
+            engine.worker_lost()  # the steps in flight too: their results come stale
+            return None
+        outputs = engine.apply(result)
+        if self.config.audit:
+            engine.audit(result.rows)  # InvariantViolation ends the process, loudly
+        self.busy_s += time.perf_counter() - started
+        return WorkerNews(outputs=outputs)
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def can_step(self) -> bool:
+        """True if a step could be planned and sent right now."""
+        engine = self.engine
+        return (
+            self.worker is not None
+            and engine is not None
+            and engine.can_plan()
+            and engine.has_unfinished()
+            and not self._nothing_to_plan
+        )
+
+    def wake(self) -> None:
+        """Something arrived (a request, an abort, a result): the next plan may differ."""
+        self._nothing_to_plan = False
+
+    def send_steps(self) -> None:
+        """Send steps while fewer than the engine's depth are in flight and there is work."""
+        engine, worker = self.engine, self.worker
+        if engine is None or worker is None:
+            return
+        while self.can_step():
+            started = time.perf_counter()
+            step = engine.plan()
+            self.busy_s += time.perf_counter() - started
+            if step is None:
+                self._nothing_to_plan = True
+                return
+            self.channel.send(step, worker.peer)
+
+    # -- loss ----------------------------------------------------------------------------------
+
+    def lost(self, why: str) -> WorkerNews | None:
+        """The worker is gone, its rows with it: running requests wait to be recomputed."""
+        if self.worker is None:
+            return None
+        running = self.engine.stats().num_running if self.engine is not None else 0
+        log.error("worker lost (%s): %d running requests go back to waiting", why, running)
+        if self.engine is not None:
+            self.engine.worker_lost()
+        self.worker = None
+        self.workers_lost += 1
+        self.lost_since = time.monotonic()
+        self.no_worker_reason = f"the worker was lost ({why}); waiting for one to come back"
+        return WorkerNews(changed=True)
+
+    def give_up(self, reason: str) -> WorkerNews:
+        """No worker came back in time: every request fails, and new ones are refused."""
+        self.lost_since = None
+        self.no_worker_reason = reason
+        return WorkerNews(fail_reason=reason, changed=True)
