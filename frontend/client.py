@@ -18,7 +18,6 @@ import uuid
 
 import zmq
 import zmq.asyncio
-from prometheus_client import Gauge
 from zmq.utils.monitor import parse_monitor_message
 
 from frontend.config import FrontendConfig
@@ -77,7 +76,6 @@ class SchedulerClient:
         self._channel: Channel[SchedulerToFrontend] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = asyncio.Event()
-        self._fault_gauges = _fault_gauges(self.metrics)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -228,8 +226,6 @@ class SchedulerClient:
             self.last_progress = time.monotonic()
         self.stats = stats
         self.metrics.observe_stats(stats)
-        for name, gauge in self._fault_gauges.items():
-            gauge.set(getattr(stats, name))
 
     def _on_info(self, info: SchedulerInfo) -> None:
         if info.protocol_version != PROTOCOL_VERSION:
@@ -296,16 +292,3 @@ class SchedulerClient:
         routes, self._routes = self._routes, {}
         for _, queue in routes.values():
             queue.put_nowait(SchedulerLost(reason))
-
-
-def _fault_gauges(metrics: Metrics) -> dict[str, Gauge]:
-    """The scheduler's fault counters (they reset with it), mirrored from EngineStats."""
-    described = {
-        "bad_messages_total": "Frames the scheduler dropped (garbage, wrong type or version)",
-        "workers_lost_total": "Workers the scheduler lost (their requests were recomputed)",
-        "frontends_lost_total": "Frontends the scheduler lost (their requests were aborted)",
-    }
-    return {
-        name: Gauge(f"nanoserve:scheduler_{name}", text, registry=metrics.registry)
-        for name, text in described.items()
-    }

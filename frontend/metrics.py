@@ -14,54 +14,73 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
+# The gauges that mirror the scheduler's EngineStats, as (series, help, EngineStats field). The
+# scheduler's totals are mirrored as gauges, not counters: they restart from 0 with it.
+MIRRORED = (
+    ("nanoserve:num_requests_running", "Requests running", "num_running"),
+    ("nanoserve:num_requests_waiting", "Requests waiting", "num_waiting"),
+    ("nanoserve:kv_cache_blocks_used", "KV cache blocks in use", "kv_blocks_used"),
+    ("nanoserve:worker_ready", "1 while the scheduler reports a ready worker", "worker_ready"),
+    ("nanoserve:num_steps", "Steps applied since the scheduler started", "num_steps_total"),
+    (
+        "nanoserve:steps_in_flight",
+        "Steps sent to the worker and not answered yet (2 while overlap runs ahead)",
+        "steps_in_flight",
+    ),
+    (
+        "nanoserve:worker_resident_memory_bytes",
+        "The worker process's resident memory after its last step",
+        "worker_resident_bytes",
+    ),
+    (
+        "nanoserve:scheduler_messages_during_step_total",
+        "Adds and aborts the scheduler took in while a step was in flight",
+        "messages_during_step_total",
+    ),
+    (
+        "nanoserve:worker_busy_seconds_total",
+        "Seconds the worker spent in steps",
+        "worker_busy_s_total",
+    ),
+    (
+        "nanoserve:scheduler_busy_seconds_total",
+        "Seconds the scheduler spent planning and applying steps",
+        "scheduler_busy_s_total",
+    ),
+    (
+        "nanoserve:scheduler_bad_messages_total",
+        "Frames the scheduler dropped (garbage, wrong type or version)",
+        "bad_messages_total",
+    ),
+    (
+        "nanoserve:scheduler_workers_lost_total",
+        "Workers the scheduler lost (their requests were recomputed)",
+        "workers_lost_total",
+    ),
+    (
+        "nanoserve:scheduler_frontends_lost_total",
+        "Frontends the scheduler lost (their requests were aborted)",
+        "frontends_lost_total",
+    ),
+)
+
+
 class Metrics:
     """Every series /metrics serves."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.running = Gauge("nanoserve:num_requests_running", "Requests running", registry=r)
-        self.waiting = Gauge("nanoserve:num_requests_waiting", "Requests waiting", registry=r)
+        self.mirrored = [(Gauge(name, text, registry=r), field) for name, text, field in MIRRORED]
         self.kv_usage = Gauge(
             "nanoserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use", registry=r
-        )
-        self.kv_blocks_used = Gauge(
-            "nanoserve:kv_cache_blocks_used", "KV cache blocks in use", registry=r
-        )
-        self.worker_ready = Gauge(
-            "nanoserve:worker_ready", "1 while the scheduler reports a ready worker", registry=r
-        )
-        self.in_flight = Gauge(
-            "nanoserve:frontend_requests_in_flight", "HTTP generation requests open", registry=r
         )
         self.preemptions = Counter(
             "nanoserve:num_preemptions", "Preemptions reported by the scheduler", registry=r
         )
         self._last_preemptions = 0
-        self.steps = Gauge("nanoserve:num_steps", "Steps since the scheduler started", registry=r)
-        # Running totals kept by the scheduler, mirrored here as gauges (they reset with it).
-        self.steps_in_flight = Gauge(
-            "nanoserve:steps_in_flight",
-            "Steps sent to the worker and not answered yet (2 while overlap runs ahead)",
-            registry=r,
-        )
-        self.worker_resident = Gauge(
-            "nanoserve:worker_resident_memory_bytes",
-            "The worker process's resident memory after its last step",
-            registry=r,
-        )
-        self.messages_during_step = Gauge(
-            "nanoserve:scheduler_messages_during_step_total",
-            "Adds and aborts the scheduler took in while a step was in flight",
-            registry=r,
-        )
-        self.worker_busy = Gauge(
-            "nanoserve:worker_busy_seconds_total", "Seconds the worker spent in steps", registry=r
-        )
-        self.scheduler_busy = Gauge(
-            "nanoserve:scheduler_busy_seconds_total",
-            "Seconds the scheduler spent planning and applying steps",
-            registry=r,
+        self.in_flight = Gauge(
+            "nanoserve:frontend_requests_in_flight", "HTTP generation requests open", registry=r
         )
         self.prompt_tokens = Counter(
             "nanoserve:prompt_tokens", "Prompt tokens of finished requests", registry=r
@@ -101,10 +120,9 @@ class Metrics:
         )
 
     def observe_stats(self, stats: EngineStats) -> None:
-        """Copy the scheduler's gauges."""
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_blocks_used.set(stats.kv_blocks_used)
+        """Copy the scheduler's gauges, and derive the cache usage and the preemption count."""
+        for gauge, field in self.mirrored:
+            gauge.set(getattr(stats, field))
         total = stats.kv_blocks_total
         self.kv_usage.set(stats.kv_blocks_used / total if total else 0.0)
         # The scheduler reports a running total; a restarted scheduler starts again from 0.
@@ -113,13 +131,6 @@ class Metrics:
             self._last_preemptions = 0
         self.preemptions.inc(total_preempted - self._last_preemptions)
         self._last_preemptions = total_preempted
-        self.steps.set(stats.num_steps_total)
-        self.worker_ready.set(1 if stats.worker_ready else 0)
-        self.steps_in_flight.set(stats.steps_in_flight)
-        self.worker_resident.set(stats.worker_resident_bytes)
-        self.messages_during_step.set(stats.messages_during_step_total)
-        self.worker_busy.set(stats.worker_busy_s_total)
-        self.scheduler_busy.set(stats.scheduler_busy_s_total)
 
     def render(self) -> bytes:
         """Prometheus text exposition of every series."""
