@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from protocol.addresses import Addresses, default_addresses
+from protocol.messages import MAX_LOGPROBS
 
 
 def _default_addresses() -> Addresses:
@@ -39,7 +40,7 @@ class FrontendConfig:
     max_body_bytes: int = 1 << 20
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
-    max_logprobs: int = 20
+    max_logprobs: int = MAX_LOGPROBS
     max_n: int = 16
     default_max_tokens: int | None = None
     drain_timeout: float = 30.0
@@ -60,8 +61,9 @@ class FrontendConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_stop_strings < 0:
             raise ValueError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
-        if not 0 <= self.max_logprobs <= 20:
-            raise ValueError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            limit = MAX_LOGPROBS
+            raise ValueError(f"max_logprobs must be in [0, {limit}], got {self.max_logprobs}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         for name in ("drain_timeout", "heartbeat_interval", "scheduler_timeout", "stall_timeout"):

@@ -13,9 +13,11 @@ from frontend.geometry import Geometry
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from frontend.tokenizer import ChatTokenizer
 from protocol.messages import SamplingParams
+from protocol.params import ParamError, RequestLimits, check_params
 
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 _SEED_LIMIT = 1 << 63
+_LOGPROBS = {False: "logprobs", True: "top_logprobs"}  # the body's name for SamplingParams'
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,11 @@ def _bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+def _given(value: float | None, default: float) -> float:
+    """A float field of the body, or its default when left out (or null)."""
+    return default if value is None else float(value)
+
+
 class RequestParser:
     """Validates bodies against the config, the tokenizer's vocab and the scheduler geometry."""
 
@@ -50,6 +57,9 @@ class RequestParser:
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.limits = RequestLimits(
+            vocab_size=tokenizer.vocab_size, max_logprobs=config.max_logprobs
+        )
         self._completion = msgspec.json.Decoder(CompletionRequest)
         self._chat = msgspec.json.Decoder(ChatCompletionRequest)
 
@@ -64,11 +74,12 @@ class RequestParser:
             max_tokens = request.max_completion_tokens or request.max_tokens
         else:
             prompt_ids = self._completion_prompt(request)
-            logprobs = self._completion_logprobs(request)
+            logprobs = request.logprobs
             max_tokens = request.max_tokens
         self._check_prompt(prompt_ids, geometry)
         max_tokens = self._max_tokens(max_tokens, len(prompt_ids), geometry)
         params = self._sampling_params(request, max_tokens, logprobs)
+        self._check(params, prompt_ids, chat)
         stop = self._stop_strings(request.stop)
         options = request.stream_options
         return GenerationRequest(
@@ -103,7 +114,6 @@ class RequestParser:
             return self.tokenizer.encode(prompt)
         if not all(isinstance(token, int) for token in prompt):
             raise _bad("prompt must be a string, a list of one string, or token ids", "prompt")
-        self._check_token_ids(prompt, "prompt")
         return list(prompt)
 
     def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
@@ -130,27 +140,11 @@ class RequestParser:
             parts.append(part.text)
         return "".join(parts)
 
-    def _completion_logprobs(self, request: CompletionRequest) -> int | None:
-        if request.logprobs is not None:
-            self._check_top_logprobs(request.logprobs, "logprobs")
-        return request.logprobs
-
     def _chat_logprobs(self, request: ChatCompletionRequest) -> int | None:
         if request.top_logprobs is not None:
             if not request.logprobs:
                 raise _bad("top_logprobs needs logprobs to be true", "top_logprobs")
-            self._check_top_logprobs(request.top_logprobs, "top_logprobs")
         return (request.top_logprobs or 0) if request.logprobs else None
-
-    def _check_top_logprobs(self, value: int, param: str) -> None:
-        if not 0 <= value <= self.config.max_logprobs:
-            raise _bad(f"{param} must be in [0, {self.config.max_logprobs}], got {value}", param)
-
-    def _check_token_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.tokenizer.vocab_size
-        for token in ids:
-            if not 0 <= token < vocab:
-                raise _bad(f"token id {token} is outside the vocabulary [0, {vocab})", param)
 
     def _check_prompt(self, prompt_ids: list[int], geometry: Geometry) -> None:
         length = len(prompt_ids)
@@ -188,47 +182,22 @@ class RequestParser:
     def _sampling_params(
         self, request: SamplingFields, max_tokens: int, logprobs: int | None
     ) -> SamplingParams:
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
-        temperature = pick(request.temperature, 1.0)
-        top_p = pick(request.top_p, 1.0)
-        top_k = request.top_k if request.top_k not in (None, 0, -1) else None
-        min_p = pick(request.min_p, 0.0)
-        checks = [
-            (temperature >= 0, "temperature", f"temperature must be >= 0, got {temperature}"),
-            (0 < top_p <= 1, "top_p", f"top_p must be in (0, 1], got {top_p}"),
-            (top_k is None or top_k >= 1, "top_k", f"top_k must be >= 1 or -1, got {top_k}"),
-            (0 <= min_p <= 1, "min_p", f"min_p must be in [0, 1], got {min_p}"),
-            (1 <= request.n <= self.config.max_n, "n", f"n must be in [1, {self.config.max_n}]"),
-            (0 <= request.min_tokens <= max_tokens, "min_tokens", "min_tokens > max_tokens"),
-        ]
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = pick(getattr(request, name), 0.0)
-            checks.append((-2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value}"))
-        repetition = pick(request.repetition_penalty, 1.0)
-        checks.append((repetition > 0, "repetition_penalty", "repetition_penalty must be > 0"))
+        """The request's SamplingParams, with OpenAI's defaults; not checked yet."""
+        if not 1 <= request.n <= self.config.max_n:
+            raise _bad(f"n must be in [1, {self.config.max_n}]", "n")
         seed = request.seed
-        seed_ok = seed is None or -_SEED_LIMIT <= seed < _SEED_LIMIT - request.n
-        checks.append((seed_ok, "seed", "seed must fit in a signed 64-bit integer"))
-        for ok, param, message in checks:
-            if not ok:
-                raise _bad(message, param)
-        self._check_token_ids(request.stop_token_ids or [], "stop_token_ids")
+        if seed is not None and not -_SEED_LIMIT <= seed < _SEED_LIMIT - request.n:
+            raise _bad("seed must fit in a signed 64-bit integer", "seed")  # as seed + n - 1
         bias = request.logit_bias
-        if bias:
-            self._check_token_ids(list(bias), "logit_bias")
-            if any(not -100 <= value <= 100 for value in bias.values()):
-                raise _bad("logit_bias values must be in [-100, 100]", "logit_bias")
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=float(temperature),
-            top_p=float(top_p),
-            top_k=top_k,
-            min_p=float(min_p),
-            repetition_penalty=float(repetition),
-            presence_penalty=float(pick(request.presence_penalty, 0.0)),
-            frequency_penalty=float(pick(request.frequency_penalty, 0.0)),
+            temperature=_given(request.temperature, 1.0),
+            top_p=_given(request.top_p, 1.0),
+            top_k=request.top_k if request.top_k not in (None, 0, -1) else None,
+            min_p=_given(request.min_p, 0.0),
+            repetition_penalty=_given(request.repetition_penalty, 1.0),
+            presence_penalty=_given(request.presence_penalty, 0.0),
+            frequency_penalty=_given(request.frequency_penalty, 0.0),
             logit_bias={int(k): float(v) for k, v in bias.items()} if bias else None,
             seed=seed,
             logprobs=logprobs,
@@ -236,6 +205,14 @@ class RequestParser:
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,
         )
+
+    def _check(self, params: SamplingParams, prompt_ids: list[int], chat: bool) -> None:
+        """The protocol's own check, the scheduler's too; its errors name the body's field."""
+        try:
+            check_params(params, prompt_ids, self.limits)
+        except ParamError as exc:
+            param = {"prompt_token_ids": "prompt", "logprobs": _LOGPROBS[chat]}.get(exc.param)
+            raise _bad(str(exc), param or exc.param) from None
 
     def _stop_strings(self, stop: str | list[str] | None) -> tuple[str, ...]:
         strings = [stop] if isinstance(stop, str) else list(stop or [])

@@ -15,7 +15,11 @@ Conventions (see ../docs/architecture.md):
 
 from __future__ import annotations
 
+import sys
+from typing import Annotated
+
 import msgspec
+from msgspec import Meta
 
 PROTOCOL_VERSION = 3
 
@@ -29,29 +33,44 @@ class Message(msgspec.Struct, tag=True, array_like=True, gc=False, frozen=True, 
     """Base of every top-level message. The tag is the class name."""
 
 
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for at each token
+MAX_STOP_TOKEN_IDS = 1024  # the most stop token ids one request may give
+MAX_LOGIT_BIAS = 1024  # the most tokens one request's logit_bias may bias
+
+_FLOAT_MAX = sys.float_info.max  # as an upper bound it rejects only infinity (and, like any, NaN)
+
+TokenId = Annotated[int, Meta(ge=0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+
+
 class SamplingParams(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
     """How one request chooses its tokens, and when it stops.
 
     ``temperature == 0`` means greedy. ``top_k is None`` and ``top_p == 1`` and ``min_p == 0``
     switch those filters off. ``logprobs is None`` returns no logprobs; ``0`` returns the
-    sampled token's logprob only; ``N`` (at most 20) adds the top N alternatives.
+    sampled token's logprob only; ``N`` adds the top N alternatives.
     ``seed is None`` draws from the worker's own seeded generator.
+
+    Each field carries its range (every float finite): a decoder enforces them, so a message
+    that breaks one never decodes; ``__init__`` does not, and ``protocol.params.check_params``
+    checks any instance against them and against a deployment's limits.
     """
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] | None = None
-    seed: int | None = None
-    logprobs: int | None = None
-    stop_token_ids: list[int] = []
+    max_tokens: Annotated[int, Meta(ge=1)] = 16
+    temperature: Annotated[float, Meta(ge=0.0, le=_FLOAT_MAX)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=_FLOAT_MAX)] = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: Annotated[dict[TokenId, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,22 +244,18 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_o
 class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
     """Gauges and counters for /metrics, sent with every batch of outputs.
 
-    A ``_total`` counts from the start of the scheduler process and restarts from 0 with it (the
-    engine's own, from the start of the engine, which a worker of another geometry replaces).
+    A ``_total`` restarts from 0 with the scheduler process (the engine's own, with the engine).
 
     - ``num_running``, ``num_waiting``: requests holding a slot, and requests queued for one.
     - ``kv_blocks_used``, ``kv_blocks_total``: KV blocks held by requests; the pool's size.
-    - ``num_preemptions_total``: running requests sent back to waiting to be recomputed (for
-      want of blocks, or because the worker was lost).
+    - ``num_preemptions_total``: requests preempted by recompute (short of blocks, worker lost).
     - ``num_steps_total``: steps whose results came back and were applied to the requests.
     - ``worker_ready``: a worker has announced itself and not been lost since.
     - ``worker_busy_s_total``: the worker's own time in the steps counted by ``num_steps_total``.
     - ``messages_during_step_total``: frontend messages taken in while a step was in flight.
     - ``scheduler_busy_s_total``: time spent planning steps and applying their results.
-    - ``bad_messages_total``: frames dropped from any peer (garbage, wrong type, another
-      protocol version, a worker that does not fit).
-    - ``workers_lost_total``, ``frontends_lost_total``: peers given up on (connection closed or
-      silent too long).
+    - ``bad_messages_total``: frames dropped (garbage, wrong type or version, a misfit worker).
+    - ``workers_lost_total``, ``frontends_lost_total``: peers given up on (closed, or silent).
     - ``steps_in_flight``: steps sent and not yet answered (2 while overlap runs ahead).
     - ``worker_resident_bytes``: the worker process's resident memory after its last step.
     """

@@ -25,7 +25,8 @@ from protocol.messages import (
     Outputs,
     RequestOutput,
 )
-from scheduler.peers import Frontends, check_request, failed
+from protocol.params import RequestLimits, check_params
+from scheduler.peers import Frontends, failed
 from scheduler.worker_side import WorkerNews, WorkerSide
 
 log = logging.getLogger("nanoserve.scheduler")
@@ -97,9 +98,10 @@ class FrontendSide:
             self.bad(f"peer {peer!r}: request id {add.request_id!r} is already in use")
             return
         try:
-            # The frontend validates; this is the last line of defence for a raw peer, so that
-            # a poisonous request can never crash the worker over and over.
-            check_request(add, engine.ready_info.vocab_size)
+            # The frontend checks the same; this is the last line of defence for a raw peer,
+            # so that a poisonous request can never crash the worker over and over.
+            limits = RequestLimits(vocab_size=engine.ready_info.vocab_size)
+            check_params(add.params, add.prompt_token_ids, limits)
             engine.add_request(add.request_id, list(add.prompt_token_ids), add.params)
         except ValueError as exc:
             self._reply(peer, [failed(add.request_id, str(exc))])

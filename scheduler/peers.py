@@ -1,14 +1,11 @@
-"""The scheduler process's view of its peers: the worker it steps, the frontends it serves,
-and the checks a request from a raw peer must pass before it reaches the ledgers.
-"""
+"""The scheduler process's view of its peers: the worker it steps and the frontends it serves."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from protocol.messages import AddRequest, RequestOutput, SamplingParams, WorkerReady
+from protocol.messages import RequestOutput, WorkerReady
 
 
 @dataclass
@@ -75,22 +72,3 @@ def geometry(ready: WorkerReady) -> tuple:
         tuple(ready.eos_token_ids),
         ready.vocab_size,
     )
-
-
-def check_request(add: AddRequest, vocab_size: int) -> None:
-    """ValueError for what msgspec's types let through but the worker could not run."""
-    p: SamplingParams = add.params
-    ids = [*add.prompt_token_ids, *p.stop_token_ids, *(p.logit_bias or {})]
-    if any(not 0 <= token < vocab_size for token in ids):
-        raise ValueError(f"token ids must be in [0, {vocab_size})")
-    floats = (p.temperature, p.top_p, p.min_p, p.repetition_penalty)
-    if not all(math.isfinite(x) for x in (*floats, p.presence_penalty, p.frequency_penalty)):
-        raise ValueError("sampling parameters must be finite")
-    if p.temperature < 0 or not 0 < p.top_p <= 1 or not 0 <= p.min_p <= 1:
-        raise ValueError("temperature, top_p or min_p out of range")
-    if p.repetition_penalty <= 0 or (p.top_k is not None and p.top_k < 1) or p.min_tokens < 0:
-        raise ValueError("repetition_penalty, top_k or min_tokens out of range")
-    if p.logprobs is not None and not 0 <= p.logprobs <= 20:
-        raise ValueError("logprobs must be in [0, 20]")
-    if any(not math.isfinite(v) for v in (p.logit_bias or {}).values()):
-        raise ValueError("logit_bias values must be finite")

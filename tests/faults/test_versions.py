@@ -6,9 +6,6 @@ worker's: tests/faults/test_garbage.py.)"""
 
 from __future__ import annotations
 
-import time
-
-import msgspec
 import zmq
 
 from protocol.addresses import default_addresses
@@ -19,53 +16,10 @@ from protocol.messages import (
     SchedulerToFrontend,
     SchedulerToWorker,
     StepInput,
-    WorkerReady,
 )
+from tests.faults.raw import ENCODE, announcement, dealer, first_info, received
 
 OTHER = PROTOCOL_VERSION - 1
-ENCODE = msgspec.msgpack.encode
-
-
-def _dealer(context: zmq.Context, address: str, identity: bytes | None = None) -> zmq.Socket:
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    if identity is not None:
-        socket.setsockopt(zmq.ROUTING_ID, identity)
-    socket.connect(address)
-    return socket
-
-
-def _received(socket: zmq.Socket, inbox: object, seconds: float) -> list:
-    """Every message that reaches ``socket`` within ``seconds``, decoded."""
-    decoder = msgspec.msgpack.Decoder(inbox)
-    messages = []
-    deadline = time.monotonic() + seconds
-    while (left := deadline - time.monotonic()) > 0:
-        if socket.poll(int(left * 1000) + 1):
-            messages.append(decoder.decode(socket.recv()))
-    return messages
-
-
-def _first_info(socket: zmq.Socket, seconds: float = 10.0) -> SchedulerInfo:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        for message in _received(socket, SchedulerToFrontend, 0.2):
-            if isinstance(message, SchedulerInfo):
-                return message
-    raise AssertionError(f"no SchedulerInfo within {seconds} s")
-
-
-def _ready(version: int) -> WorkerReady:
-    return WorkerReady(
-        protocol_version=version,
-        model_id="raw",
-        num_blocks=8,
-        block_size=16,
-        num_slots=2,
-        max_model_len=64,
-        eos_token_ids=[0],
-        vocab_size=100,
-    )
 
 
 def test_the_scheduler_refuses_a_frontend_on_another_version(lone_scheduler):
@@ -75,16 +29,16 @@ def test_the_scheduler_refuses_a_frontend_on_another_version(lone_scheduler):
     )
     context = zmq.Context()
     try:
-        old = _dealer(context, addresses.frontend)
+        old = dealer(context, addresses.frontend)
         old.send(ENCODE(FrontendHello(protocol_version=OTHER, frontend_id="old-frontend")))
         lone_scheduler.wait_log("scheduler", refused, timeout=30.0)
         # An answer would have gone out with the log line; heartbeats and gauges may follow.
-        answers = _received(old, SchedulerToFrontend, 1.5)
+        answers = received(old, SchedulerToFrontend, 1.5)
         assert not [m for m in answers if isinstance(m, SchedulerInfo)], answers
-        current = _dealer(context, addresses.frontend)
+        current = dealer(context, addresses.frontend)
         hello = FrontendHello(protocol_version=PROTOCOL_VERSION, frontend_id="new-frontend")
         current.send(ENCODE(hello))
-        info = _first_info(current)
+        info = first_info(current)
         assert info.protocol_version == PROTOCOL_VERSION and not info.worker_ready
         assert info.reason == "no worker has announced itself yet"
     finally:
@@ -99,21 +53,21 @@ def test_the_scheduler_refuses_a_worker_on_another_version(lone_scheduler):
     refused = f"speaks protocol {OTHER}, this scheduler {PROTOCOL_VERSION}: ignored"
     context = zmq.Context()
     try:
-        frontend = _dealer(context, addresses.frontend)
+        frontend = dealer(context, addresses.frontend)
         hello = FrontendHello(protocol_version=PROTOCOL_VERSION, frontend_id="watcher")
         frontend.send(ENCODE(hello))
-        assert not _first_info(frontend).worker_ready
-        old = _dealer(context, addresses.worker, identity=b"old-worker")
-        old.send(ENCODE(_ready(OTHER)))
+        assert not first_info(frontend).worker_ready
+        old = dealer(context, addresses.worker, identity=b"old-worker")
+        old.send(ENCODE(announcement(OTHER)))
         lone_scheduler.wait_log("scheduler", rf"worker b'old-worker' {refused}", timeout=30.0)
-        news = _received(frontend, SchedulerToFrontend, 1.0)
+        news = received(frontend, SchedulerToFrontend, 1.0)
         assert not [m for m in news if isinstance(m, SchedulerInfo)], news  # nothing changed
         # The same announcement in this version is adopted, and every frontend hears of it.
-        current = _dealer(context, addresses.worker, identity=b"new-worker")
-        current.send(ENCODE(_ready(PROTOCOL_VERSION)))
-        info = _first_info(frontend)
+        current = dealer(context, addresses.worker, identity=b"new-worker")
+        current.send(ENCODE(announcement(PROTOCOL_VERSION)))
+        info = first_info(frontend)
         assert info.worker_ready and info.model_id == "raw" and info.num_blocks == 8
-        steps = _received(old, SchedulerToWorker, 0.5)
+        steps = received(old, SchedulerToWorker, 0.5)
         assert not [m for m in steps if isinstance(m, StepInput)]
     finally:
         context.destroy(linger=0)

@@ -35,6 +35,22 @@ CASES: list[tuple[str, Any, int, str | None]] = [
     ("/v1/chat/completions", {"messages": "Hi"}, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", b"[]", 400, None),
+    # Ranges SamplingParams carries, checked by the protocol's check_params.
+    ("/v1/completions", {"prompt": "Hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "Hi", "top_k": -5}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [99_999]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [1] * 1025}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": -1}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "min_tokens": -1}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "seed": 2**63}, 400, "seed"),
+    ("/v1/completions", b'{"prompt": "Hi", "temperature": 1e999}', 400, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
 ]
 
 
@@ -50,6 +66,22 @@ async def test_bad_request(
     assert isinstance(error["message"], str) and error["message"]
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
     assert error["param"] == param
+    assert server.fake.adds == []
+
+
+@pytest.mark.frontend(max_logprobs=2)
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "Hi", "logprobs": 3}, "logprobs"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+    ],
+)
+async def test_configured_logprobs_limit(server: Server, path: str, body: Any, param: str) -> None:
+    response = await server.post(path, body)
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert error["param"] == param and "[0, 2]" in error["message"]
     assert server.fake.adds == []
 
 

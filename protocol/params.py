@@ -1,0 +1,95 @@
+"""check_params: the one place a request's SamplingParams are checked.
+
+The frontend checks every request with it before sending one, and the scheduler checks every
+AddRequest with it before queuing one, so a raw peer meets the same rules as an HTTP client.
+SamplingParams' fields carry the fixed ranges (msgspec ``Meta``); ``RequestLimits`` holds what
+a deployment sets: its vocabulary, and at most how many logprobs and stop ids it serves.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from protocol.messages import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The configurable bounds on one request, each within the protocol's own."""
+
+    vocab_size: int
+    max_logprobs: int = MAX_LOGPROBS
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}"
+            )
+        if not 0 <= self.max_stop_token_ids <= MAX_STOP_TOKEN_IDS:
+            limit = MAX_STOP_TOKEN_IDS
+            raise ValueError(f"max_stop_token_ids must be in [0, {limit}]")
+
+
+class ParamError(ValueError):
+    """A request parameter out of bounds; ``param`` names the SamplingParams field, or
+    ``prompt_token_ids``."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_params(params: SamplingParams, prompt_ids: Sequence[int], limits: RequestLimits) -> None:
+    """Raise ParamError unless ``params`` keep SamplingParams' ranges and ``limits``, every
+    token id (prompt, stop ids, logit_bias keys) is in the vocabulary, and ``min_tokens`` does
+    not exceed ``max_tokens``."""
+    _check_ranges(params)
+    vocab = limits.vocab_size
+    _check_vocab("prompt_token_ids", "prompt", prompt_ids, vocab)
+    _check_vocab("stop_token_ids", "stop", params.stop_token_ids, vocab)
+    _check_vocab("logit_bias", "logit_bias", params.logit_bias or {}, vocab)
+    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
+        message = f"logprobs must be in [0, {limits.max_logprobs}], got {params.logprobs}"
+        raise ParamError("logprobs", message)
+    if len(params.stop_token_ids) > limits.max_stop_token_ids:
+        message = f"at most {limits.max_stop_token_ids} stop token ids"
+        raise ParamError("stop_token_ids", f"{message}, got {len(params.stop_token_ids)}")
+    if params.min_tokens > params.max_tokens:
+        message = f"min_tokens ({params.min_tokens}) exceeds max_tokens ({params.max_tokens})"
+        raise ParamError("min_tokens", message)
+
+
+_INDEX = re.compile(r"\$\[(\d+)\]")  # an array_like struct's field, by position
+
+
+def _check_ranges(params: SamplingParams) -> None:
+    """SamplingParams' ``Meta`` ranges on any instance: ``__init__`` does not check them, so
+    the instance goes through the same conversion a decoder applies."""
+    try:
+        msgspec.convert(msgspec.to_builtins(params), SamplingParams)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        found = _INDEX.search(text)
+        if found is None:
+            raise ParamError("params", f"invalid sampling parameters: {text}") from None
+        name = SamplingParams.__struct_fields__[int(found.group(1))]
+        value = getattr(params, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ParamError(name, f"{name} must be a finite number, got {value}") from None
+        detail = text.split(" - at ")[0]
+        raise ParamError(name, f"{name} out of range ({detail}), got {value!r}") from None
+
+
+def _check_vocab(param: str, what: str, ids: Iterable[int], vocab_size: int) -> None:
+    for token in ids:
+        if not 0 <= token < vocab_size:
+            message = f"{what} token ids must be in the vocabulary [0, {vocab_size}), got {token}"
+            raise ParamError(param, message)
