@@ -148,56 +148,18 @@ def openapi_document(with_api_key: bool) -> dict:
     (completion, chat), components = msgspec.json.schema_components(
         [CompletionRequest, ChatCompletionRequest], ref_template="#/components/schemas/{name}"
     )
-    error = {"$ref": "#/components/schemas/Error"}
     components["Error"] = {
         "type": "object",
         "required": ["error"],
         "properties": {"error": {"type": "object", "required": ["message", "type"]}},
     }
-
-    def errors(*codes: int) -> dict:
-        described = {
-            400: "invalid body",
-            401: "missing or wrong API key",
-            404: "unknown model",
-            413: "body too large",
-            503: "not ready, draining, or the scheduler or worker is gone: retry later",
-        }
-        out = {
-            str(c): {
-                "description": described[c],
-                "content": {"application/json": {"schema": error}},
-            }
-            for c in codes
-        }
-        if 503 in codes:
-            out["503"]["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
-        return out
-
-    def generation(body: dict, summary: str) -> dict:
-        streamed = {"text/event-stream": {"schema": {"type": "string"}}}
-        whole = {"application/json": {"schema": {"type": "object"}}}
-        return {
-            "post": {
-                "summary": summary,
-                "requestBody": {
-                    "required": True,
-                    "content": {"application/json": {"schema": body}},
-                },
-                "responses": {
-                    "200": {"description": "the completion", "content": {**whole, **streamed}},
-                    **errors(400, 401, 404, 413, 503),
-                },
-            }
-        }
-
     text = {"text/plain": {"schema": {"type": "string"}}}
     document = {
         "openapi": "3.1.0",
         "info": {"title": "nanoserve", "version": "1"},
         "paths": {
-            "/v1/completions": generation(completion, "Text completion (OpenAI)"),
-            "/v1/chat/completions": generation(chat, "Chat completion (OpenAI)"),
+            "/v1/completions": _generation(completion, "Text completion (OpenAI)"),
+            "/v1/chat/completions": _generation(chat, "Chat completion (OpenAI)"),
             "/v1/models": {"get": {"responses": {"200": {"description": "served models"}}}},
             "/health": {
                 "get": {
@@ -221,3 +183,30 @@ def openapi_document(with_api_key: bool) -> dict:
                 for operation in item.values():
                     operation["security"] = [{"bearer": []}]
     return document
+
+
+_ERRORS = {
+    400: "invalid body",
+    401: "missing or wrong API key",
+    404: "unknown model",
+    413: "body too large",
+    503: "not ready, draining, or the scheduler or worker is gone: retry later",
+}
+
+
+def _generation(body: dict, summary: str) -> dict:
+    """The path item of a generation endpoint: a JSON or streamed answer, or an error."""
+    streamed = {"text/event-stream": {"schema": {"type": "string"}}}
+    whole = {"application/json": {"schema": {"type": "object"}}}
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    responses: dict = {"200": {"description": "the completion", "content": {**whole, **streamed}}}
+    for code, described in _ERRORS.items():
+        responses[str(code)] = {"description": described, "content": error}
+    responses["503"]["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": responses,
+        }
+    }
