@@ -19,6 +19,7 @@ from torch import nn
 from worker.attention import AttentionMetadata, paged_attention
 from worker.gguf_reader import Q4Tensor
 from worker.kv_cache import KVCache
+from worker.linear import Linear
 from worker.rope import apply_rotary, inverse_frequencies, rope_parameters, rotary_cos_sin
 
 # One layer's attention: q (T, n_heads, hd) and the new k/v (T, 2, n_kv, hd) -> (T, n_heads, hd).
@@ -82,58 +83,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` that can trade its weight for oneDNN's pre-packed layout (``pack``): on
-    CPU in bfloat16 that runs 1.3-2x faster than ``F.linear`` at decode batch sizes.
-
-    It can also keep a 4-bit GGUF weight's own integers (``attach_q4``) for small steps.
-    """
-
-    packed: torch.Tensor | None = None
-    q4: tuple[torch.Tensor, torch.Tensor] | None = None  # int4-packed weight, scales and zeros
-    q4_max_tokens: int = 0
-    q4_halves: int = 1  # 2 for an 8-bit weight held as two 4-bit halves: the input goes to both
-
-    @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-        """A layer around existing tensors (no initialization of fresh ones)."""
-        with torch.device("meta"):
-            layer = cls(weight.shape[1], weight.shape[0], bias=bias is not None)
-        layer.weight = _frozen(weight)
-        layer.bias = None if bias is None else _frozen(bias)
-        return layer
-
-    def pack(self) -> None:
-        """Keep only the packed weight; the batch size hint (32) barely matters."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 32)
-        self.weight = None
-
-    def attach_q4(self, parts: list[Q4Tensor], max_tokens: int) -> None:
-        """Also keep this weight's 4-bit form (``parts`` stacked by rows, as ``fuse`` stacked
-        the float weights); steps of at most ``max_tokens`` tokens run on it. A small step
-        does little but stream the weights, and 4 bits stream 4x fewer bytes than bfloat16
-        (the kernel computes in bfloat16, so only on CPU in bfloat16)."""
-        # int32 only here, one matrix at a time: the kernel's packer wants it, and int32 copies
-        # of every matrix at once would leave hundreds of MiB of freed heap resident.
-        q = torch.cat([part.q for part in parts]).to(torch.int32)  # (N, K), or (N, 2K) halves
-        scale = torch.cat([part.scale for part in parts]).t()  # (K / 32, N)
-        zero = torch.cat([part.zero for part in parts]).t()
-        scales_zeros = torch.stack((scale, zero), dim=-1).to(torch.bfloat16).contiguous()
-        self.q4 = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros)
-        self.q4_max_tokens = max_tokens
-        self.q4_halves = q.shape[1] // self.in_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q4 is not None and x.shape[0] <= self.q4_max_tokens:
-            packed, scales_zeros = self.q4
-            x = torch.cat([x] * self.q4_halves, dim=1) if self.q4_halves > 1 else x.contiguous()
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)
-            return out if self.bias is None else out.add_(self.bias)
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 class Attention(nn.Module):
@@ -210,10 +159,6 @@ _FUSED_PARTS = {  # the linears after ``fuse`` -> the checkpoint's matrices, sta
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down_proj": ("mlp.down_proj",),
 }
-
-
-def _frozen(tensor: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(tensor, requires_grad=False)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,70 @@
+"""``Linear``: ``nn.Linear`` with the CPU's faster weight layouts.
+
+On CPU the worker may trade a weight for oneDNN's pre-packed layout (``pack``), and keep a GGUF
+file's own 4-bit integers beside it for small steps (``attach_q4``). The generic path (and CUDA)
+keeps the plain ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.gguf_reader import Q4Tensor
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that can trade its weight for oneDNN's pre-packed layout (``pack``), which
+    oneDNN multiplies faster than ``F.linear`` does at decode batch sizes.
+
+    It can also keep a 4-bit GGUF weight's own integers (``attach_q4``) for small steps.
+    """
+
+    packed: torch.Tensor | None = None
+    q4: tuple[torch.Tensor, torch.Tensor] | None = None  # int4-packed weight, scales and zeros
+    q4_max_tokens: int = 0
+    q4_halves: int = 1  # 2 for an 8-bit weight held as two 4-bit halves: the input goes to both
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        """A layer around existing tensors (no initialization of fresh ones)."""
+        with torch.device("meta"):
+            layer = cls(weight.shape[1], weight.shape[0], bias=bias is not None)
+        layer.weight = _frozen(weight)
+        layer.bias = None if bias is None else _frozen(bias)
+        return layer
+
+    def pack(self) -> None:
+        """Keep only the packed weight; the batch size hint (32) barely matters."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 32)
+        self.weight = None
+
+    def attach_q4(self, parts: list[Q4Tensor], max_tokens: int) -> None:
+        """Also keep this weight's 4-bit form (``parts`` stacked by rows, as ``fuse`` stacked
+        the float weights); steps of at most ``max_tokens`` tokens run on it. A small step
+        does little but stream the weights, and 4 bits stream 4x fewer bytes than bfloat16
+        (the kernel computes in bfloat16, so only on CPU in bfloat16)."""
+        # int32 only here, one matrix at a time: the kernel's packer wants it, and int32 copies
+        # of every matrix at once would stay resident as freed heap.
+        q = torch.cat([part.q for part in parts]).to(torch.int32)  # (N, K), or (N, 2K) halves
+        scale = torch.cat([part.scale for part in parts]).t()  # (K / 32, N)
+        zero = torch.cat([part.zero for part in parts]).t()
+        scales_zeros = torch.stack((scale, zero), dim=-1).to(torch.bfloat16).contiguous()
+        self.q4 = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros)
+        self.q4_max_tokens = max_tokens
+        self.q4_halves = q.shape[1] // self.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q4 is not None and x.shape[0] <= self.q4_max_tokens:
+            packed, scales_zeros = self.q4
+            x = torch.cat([x] * self.q4_halves, dim=1) if self.q4_halves > 1 else x.contiguous()
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)
+            return out if self.bias is None else out.add_(self.bias)
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
