@@ -2,22 +2,20 @@
 
 An eager decode step is some 400 small operators, and at small batches their dispatch costs
 about as much as streaming the weights. ``CompiledDecode`` hands decode-only steps of at most
-``MAX_BATCH`` rows to ``torch.compile``: norms, rotary, the block-id gather, the softmax and the
-SwiGLU become fused C++ loops around the same matmul kernels (the 4-bit ones included), with no
-Python between them. A bfloat16 pool attends with nanoserve's own kernel instead
-(``worker.kernels``, where it builds): it reads the blocks in place, where inductor's version
-gathers them into a fresh buffer first; a step took 8.0 against 9.1-12 ms at batch 1, and 55
-against 61-74 ms at 32 (a 200-token context).
+``MAX_BATCH`` rows to ``torch.compile``: norms, rotary, the attention backend's decode, the
+softmax and the SwiGLU become fused C++ loops around the same matmul kernels (the 4-bit ones
+included), with no Python between them. The attention is the worker's backend
+(``worker.attention``), traced like the rest.
 
 The graph never writes the cache. Each layer attends over its cached positions plus the new
-token's own k/v, and returns the new K/V; one ``index_copy_`` after the graph writes every
-layer's at once. A write inside the graph would make inductor copy the whole pool to keep the
-graph functional.
+token's own k/v (``AttentionBackend.decode``), and returns the new K/V; one ``index_copy_``
+after the graph writes every layer's at once. A write inside the graph would make inductor copy
+the whole pool to keep the graph functional.
 
-Compiling takes one to two minutes per graph on two cores, and a step meets one of three
-(batch 1; 2 to the 4-bit limit; above it), so the worker compiles all of them at start
-(``warm_up``), before it announces itself. Inductor caches them on disk: later starts take
-about 20 s. Steps with prefills, and bigger decode batches, stay eager.
+Compiling takes minutes per graph, and a step meets one of three (batch 1; 2 to the 4-bit limit;
+above it), so the worker compiles all of them at start (``warm_up``), before it announces
+itself. Inductor caches them on disk, so later starts only load them. Steps with prefills, and
+bigger decode batches, stay eager.
 """
 
 from __future__ import annotations
@@ -26,30 +24,24 @@ import time
 
 import torch
 
-from worker.attention import AttentionMetadata, uses_own_kernel
+from worker.attention import AttentionBackend, AttentionMetadata
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel
 from worker.rope import rotary_cos_sin
 
-# Decode-only steps of at most this many rows (padding included) run compiled. Measured against
-# eager at a 256-token context (bf16, both with the attention kernel): 8.5 vs 13.4 ms at 1 row,
-# 16.4 vs 23.6 at 4, 27.0 vs 28.7 at 8, 48.7 vs 65.5 at 32. Beyond it, a float32 pool's graph
-# (inductor's fresh gather buffers) would grow to tens of MB a layer; the eager path reuses one
-# scratch buffer.
+# Decode-only steps of at most this many rows (padding included) run compiled: up to it the
+# graph beats eager steps (the README has the figures). Beyond it, the torch backend's gather
+# copies, fresh in a graph, would grow to tens of MB a layer; the eager path reuses one scratch
+# buffer.
 MAX_BATCH = 32
 
 
 class CompiledDecode:
     """The compiled decode step of one model over one cache."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache) -> None:
+    def __init__(self, model: LlamaModel, cache: KVCache, attention: AttentionBackend) -> None:
         _allow_packed_linears()
-        self.model, self.cache = model, cache
-        # bfloat16 pools attend with nanoserve's own kernel where it builds (worker.kernels).
-        spec, pool = model.spec, cache.pool
-        self.own_attention = uses_own_kernel(
-            pool.dtype, pool.device, spec.head_dim, spec.n_heads, spec.n_kv_heads
-        )
+        self.model, self.cache, self.attention = model, cache, attention
         self.steps = 0  # steps run compiled, warm-up included
         self.warm_up_s = 0.0  # how long ``warm_up`` took: compiling, or reading inductor's cache
         # After the warm-up, a step no graph covers runs this same code eagerly rather than
@@ -66,12 +58,12 @@ class CompiledDecode:
                 # element would cost more than the load it guards.
                 "assert_indirect_indexing": False,
                 # The graph's ~400 kernel and matmul calls are made from C++, not from a
-                # Python wrapper: about 0.5 ms less per step at batch 1.
+                # Python wrapper, which costs a measurable share of a small step.
                 "cpp_wrapper": True,
                 # The oneDNN fusion passes assume weights inductor packed itself (freezing).
                 "pattern_matcher": False,
-                # The model's modules never change after start: checking them every step costs
-                # about a millisecond.
+                # The model's modules never change after start, and checking them every step
+                # costs as much as some of the step's layers.
                 "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
             },
         )
@@ -85,10 +77,9 @@ class CompiledDecode:
     ) -> torch.Tensor:
         """Like ``LlamaModel.forward`` for an accepted step: input_ids, positions (B,) ->
         hidden states (B, hidden), with the new K/V written into the cache."""
-        batch = input_ids.shape[0]
-        blocks = meta.decode_blocks.view(batch, -1)  # (B, M)
+        batch, blocks = input_ids.shape[0], meta.decodes.blocks  # blocks (B, M)
         cos, sin = rotary_cos_sin(self.model.inv_freq, positions, self.cache.pool.dtype)
-        args = (input_ids, cos, sin, blocks, meta.decode_lengths - 1)
+        args = (input_ids, cos, sin, blocks, meta.decodes.cached)
         if batch > 1:  # one graph for every batch of 2..MAX_BATCH rows; batch 1 has its own
             for tensor in args:
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
@@ -96,9 +87,7 @@ class CompiledDecode:
         layers = self.cache.layers()  # (num_layers, 2, n_kv, S, hd)
         torch._dynamo.maybe_mark_dynamic(layers, 3)  # one graph whatever the pool's size
         with torch.compiler.set_stance(self.stance):
-            hidden, new_kv = self._graph(
-                self.model, layers, self.cache.block_size, self.own_attention, *args
-            )
+            hidden, new_kv = self._graph(self.model, self.attention, layers, *args)
         # new_kv (num_layers, B, 2, n_kv, hd) -> (num_layers * 2, n_kv, B, hd), as the pool.
         num_layers, _, two, n_kv, hd = new_kv.shape
         columns = new_kv.permute(0, 2, 3, 1, 4).reshape(num_layers * two, n_kv, batch, hd)
@@ -123,46 +112,30 @@ class CompiledDecode:
         own tensors: dynamo guards on that."""
         ids = torch.zeros(batch, dtype=torch.long, device=self.cache.pool.device)
         trash = self.cache.trash_block
+        # Two blocks, not one: a size-1 dimension would be specialized, not dynamic.
+        blocks = torch.full((batch, 2), trash, device=ids.device)  # (B, M)
         meta = AttentionMetadata(
             write_index=torch.full_like(ids, trash * self.cache.block_size),
             decode_tokens=None,
             decode_targets=None,
-            decode_blocks=torch.full((batch * 2,), trash, device=ids.device),
-            decode_lengths=torch.ones_like(ids),
-            decode_bias=torch.zeros(0),
+            decodes=self.attention.decode_rows(blocks, torch.zeros_like(ids)),
             prefills=[],
-            block_size=self.cache.block_size,
             num_tokens=batch,
         )
         return ids, ids, meta
 
 
-def _decode_graph(
-    model, layers, block_size: int, own_attention: bool, input_ids, cos, sin, blocks, cached
-):
+def _decode_graph(model, attention, layers, input_ids, cos, sin, blocks, cached):
     """The traced step. input_ids (B,), cos/sin (B, 1, hd), blocks (B, M) the rows' padded block
     ids, cached (B,) how many positions each row has cached -> hidden (B, hidden) and the new
-    K/V (num_layers, B, 2, n_kv, hd). ``own_attention``: attend with nanoserve's kernel."""
-    if own_attention:
-
-        def attention(q, kv, layer):
-            return torch.ops.nanoserve.decode_attention(q, kv, layer, blocks, cached, block_size)
-    else:
-        positions = torch.arange(blocks.shape[1] * block_size, device=blocks.device)  # (L,)
-        slots = blocks[:, positions // block_size] * block_size + positions % block_size  # (B, L)
-        bias = torch.zeros(slots.shape, device=slots.device).masked_fill_(
-            positions[None, :] >= cached[:, None], float("-inf")
-        )  # (B, L) float32
-
-        def attention(q, kv, layer):
-            return _attend(q, kv, layer, slots, bias)
-
+    K/V (num_layers, B, 2, n_kv, hd)."""
+    rows = attention.decode_rows(blocks, cached)
     new_kv = []
 
     def attend_over(layer: torch.Tensor):
         def attend(q, kv):
             new_kv.append(kv)
-            return attention(q, kv, layer)
+            return attention.decode(q, kv, layer, rows)
 
         return attend
 
@@ -170,37 +143,6 @@ def _decode_graph(
     attends = [attend_over(layers[index]) for index in range(layers.shape[0])]
     hidden = model.run_layers(x, cos, sin, attends)
     return hidden, torch.stack(new_kv)
-
-
-def _attend(q, kv, layer, slots, bias) -> torch.Tensor:
-    """One query per row over its cached K/V plus its own new k/v; the softmax in float32. For
-    float32 pools, and bfloat16 ones where ``worker.kernels`` does not build.
-    q (B, nq, hd), kv (B, 2, n_kv, hd), layer (2, n_kv, S, hd), slots and bias (B, L)."""
-    batch, nq, hd = q.shape
-    n_kv = kv.shape[2]
-    # Batched matmuls over a gathered copy. Written instead as products and sums, inductor fused
-    # the gather, scores and softmax into one loop nest, but it cost ~70 us per row and layer at
-    # a 160-token context and grew with it: 2x slower than this at 4 rows.
-    # A single row gathers into float32 and multiplies there: these tiny bmm calls take ~12 us
-    # in float32 against ~25 in bf16 (a step: 9.0 against 11.9 ms). From 8 rows on, the bigger
-    # float32 copies cost more than that saves (24.7 against 23.1 ms at 8, 82 against 64 at 32).
-    dtype = torch.float32 if batch == 1 else q.dtype
-    group = nq // n_kv
-    keys = layer[0][:, slots].reshape(n_kv * batch, -1, hd).to(dtype)  # (n_kv * B, L, hd)
-    values = layer[1][:, slots].reshape(n_kv * batch, -1, hd).to(dtype)
-    qg = q.view(batch, n_kv, group, hd).transpose(0, 1)  # (n_kv, B, g, hd)
-    k_new = kv[:, 0].transpose(0, 1).float()[:, :, None]  # (n_kv, B, 1, hd)
-    v_new = kv[:, 1].transpose(0, 1).float()[:, :, None]
-    scores = torch.bmm(qg.reshape(n_kv * batch, group, hd).to(dtype), keys.transpose(1, 2))
-    scores = scores.view(n_kv, batch, group, -1).float() * hd**-0.5 + bias[None, :, None]
-    own = (qg.float() * k_new).sum(-1, keepdim=True) * hd**-0.5  # (n_kv, B, g, 1)
-    top = torch.maximum(scores.amax(-1, keepdim=True), own)
-    weights, own_weight = (scores - top).exp(), (own - top).exp()
-    total = weights.sum(-1, keepdim=True) + own_weight
-    mixed = torch.bmm((weights / total).to(dtype).view(n_kv * batch, group, -1), values)
-    out = mixed.view(n_kv, batch, group, hd).float() + (own_weight / total) * v_new
-    out = out.to(q.dtype)  # (n_kv, B, g, hd)
-    return out.transpose(0, 1).reshape(batch, nq, hd)
 
 
 _PACKED_LINEARS_ALLOWED = False

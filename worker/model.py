@@ -16,15 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.attention import AttentionMetadata, paged_attention
+from worker.attention import AttentionBackend, AttentionMetadata
 from worker.gguf_reader import Q4Tensor
 from worker.kv_cache import KVCache
 from worker.linear import Linear
 from worker.rope import apply_rotary, inverse_frequencies, rope_parameters, rotary_cos_sin
 
 # One layer's attention: q (T, n_heads, hd) and the new k/v (T, 2, n_kv, hd) -> (T, n_heads, hd).
-# The model does not care where K/V live: eager steps attend over the paged cache
-# (``paged_attention``), compiled decode steps over a read-only view of it (``worker.compiled``).
+# The model does not care where K/V live: eager steps write them into the paged cache and attend
+# (``AttentionBackend.forward``), compiled decode steps attend over a read-only view of it
+# (``AttentionBackend.decode``, from ``worker.compiled``).
 Attend = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -223,12 +224,13 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         cache: KVCache,
+        attention: AttentionBackend,
     ) -> torch.Tensor:
         """input_ids, positions (T,) -> hidden states (T, hidden), K/V written into ``cache``."""
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)  # (T, 1, hd) each
         attends = [
-            partial(paged_attention, cache=cache.layer(index), meta=meta, scratch=cache.scratch)
+            partial(attention.forward, layer=cache.layer(index), meta=meta, scratch=cache.scratch)
             for index in range(self.spec.num_layers)
         ]
         return self.run_layers(x, cos, sin, attends)

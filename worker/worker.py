@@ -19,7 +19,7 @@ from protocol.messages import (
     WorkerReady,
 )
 from worker import kernels
-from worker.attention import AttentionMetadata, uses_own_kernel
+from worker.attention import select_backend
 from worker.config import WorkerConfig
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel, ModelSpec
@@ -49,12 +49,7 @@ class Worker:
         self.spec = ModelSpec.from_config(checkpoint.config)
         self.eos_token_ids = checkpoint.eos_token_ids
         self.max_model_len = _max_model_len(config, checkpoint.config)
-        with torch.device("meta"):
-            self.model = LlamaModel(self.spec)
-        self.model.load_weights(checkpoint.weights)
-        self.model = self.model.to(self.device).eval()
-        if self.model.pack_for_cpu() and self.dtype == torch.bfloat16 and config.q4_max_tokens:
-            self._attach_q4(checkpoint.config.model_type)
+        self._load_model(checkpoint)
         self.cache = self._make_cache()
         self.row_table = RowTable(
             num_slots=config.num_slots,
@@ -63,19 +58,36 @@ class Worker:
             max_model_len=self.max_model_len,
             seed=config.seed,
         )
-        # Whether greedy choices and bfloat16 decodes use worker.kernels' kernels; asked now,
-        # so that their first build (about 10 s) happens before the worker announces itself,
-        # not in a step.
-        self.sampler = Sampler(
-            self.eos_token_ids, own_argmax=self.device == "cpu" and kernels.available()
-        )
-        pool, spec = self.cache.pool, self.spec
-        self.own_attention = uses_own_kernel(
-            pool.dtype, pool.device, spec.head_dim, spec.n_heads, spec.n_kv_heads
-        )
+        self._choose_kernels()
         self.compiled = None
         if config.compile:
             self._compile()
+
+    def _load_model(self, checkpoint) -> None:
+        """The model on its device; on CPU, in its faster weight layouts."""
+        with torch.device("meta"):
+            self.model = LlamaModel(self.spec)
+        self.model.load_weights(checkpoint.weights)
+        self.model = self.model.to(self.device).eval()
+        if not self.model.pack_for_cpu():
+            return
+        if self.dtype == torch.bfloat16 and self.config.q4_max_tokens:
+            self._attach_q4(checkpoint.config.model_type)
+
+    def _choose_kernels(self) -> None:
+        """The attention backend and the sampler's argmax, chosen once. Asked now, so that the
+        first build of ``worker.kernels`` happens before the worker announces itself, not in a
+        step."""
+        own_argmax = self.device == "cpu" and kernels.available()
+        self.sampler = Sampler(self.eos_token_ids, own_argmax=own_argmax)
+        self.attention = select_backend(
+            n_heads=self.spec.n_heads,
+            n_kv_heads=self.spec.n_kv_heads,
+            head_dim=self.spec.head_dim,
+            block_size=self.config.block_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     def _attach_q4(self, model_type: str) -> None:
         """Small steps on the GGUF's own 4-bit matrices, where it has them (see ``Linear``)."""
@@ -91,7 +103,7 @@ class Worker:
 
         if self.device != "cpu":
             raise ValueError(f"compile runs on CPU only, not on {self.device}")
-        self.compiled = CompiledDecode(self.model, self.cache)
+        self.compiled = CompiledDecode(self.model, self.cache, self.attention)
         self.compiled.warm_up()
 
     def _make_cache(self) -> KVCache:
@@ -174,14 +186,7 @@ class Worker:
                 last.append(len(ids) - 1)
             spans.append((row.block_table, item.start, len(tokens)))
         with torch.inference_mode():  # everything, the metadata too: compiled graphs guard on it
-            meta = AttentionMetadata.build(
-                spans,
-                block_size=self.config.block_size,
-                n_kv_heads=self.spec.n_kv_heads,
-                dtype=self.dtype,
-                device=self.device,
-                trash_block=self.cache.trash_block,
-            )
+            meta = self.attention.metadata(spans, trash_block=self.cache.trash_block)
             # Padding tokens (id 0 at position 0) fill the step up to its bucketed size; so do
             # copies of the first sampled row for the lm head (see worker.shapes).
             padding = meta.num_tokens - len(ids)
@@ -193,7 +198,7 @@ class Worker:
             if self.compiled is not None and self.compiled.accepts(meta):
                 hidden = self.compiled(ids_t, pos_t, meta)  # (T, hidden)
             else:
-                hidden = self.model(ids_t, pos_t, meta, self.cache)
+                hidden = self.model(ids_t, pos_t, meta, self.cache, self.attention)
             return self.model.logits(hidden[sampled])[: len(last)].cpu()  # (S, vocab)
 
     def reset(self) -> None:

@@ -17,6 +17,7 @@ import torch
 from conftest import make_worker
 
 from worker import kernels
+from worker.attention import CpuKernelBackend
 
 
 @pytest.fixture(autouse=True)
@@ -239,7 +240,8 @@ def test_bfloat16_steps_attend_with_it_and_float32_steps_do_not(tiny_dir, monkey
         calls.clear()
         argmax_calls.clear()
         worker = make_worker(tiny_dir, dtype=dtype)
-        assert worker.own_attention == (dtype == "bfloat16")  # known, and built, at start
+        # known, and built, at start
+        assert isinstance(worker.attention, CpuKernelBackend) == (dtype == "bfloat16")
         assert worker.sampler.own_argmax  # greedy choices in both
         Driver(worker, eos=[]).run([Request("r", [1, 2, 3, 4, 5], 4)])
         assert len(calls) == want, dtype
@@ -251,8 +253,6 @@ def test_mixed_eager_steps_match_the_torch_attention(tiny_dir, monkeypatch):
     bfloat16's reach of the gather-and-bmm path's, and pick the same tokens."""
     from driver import Driver, Request
 
-    import worker.attention
-
     def run():
         worker = make_worker(tiny_dir, dtype="bfloat16")
         # "a" prefills in chunks of 5 while "b" and "c" decode beside it.
@@ -261,7 +261,7 @@ def test_mixed_eager_steps_match_the_torch_attention(tiny_dir, monkeypatch):
         return Driver(worker, eos=[]).run(requests, chunk=5)
 
     with_kernel = run()
-    monkeypatch.setattr(worker.attention, "uses_own_kernel", lambda *args: False)
+    monkeypatch.setattr(CpuKernelBackend, "supports", staticmethod(lambda *args: False))
     without = run()
     for a, b in zip(with_kernel, without, strict=True):
         assert a.output == b.output

@@ -40,11 +40,11 @@ def test_decode_step_pads_with_decodes_that_write_only_the_trash_block():
     assert meta.num_tokens == 8 and meta.decode_tokens is None
     assert meta.write_index[:5].tolist() == _meta(items, None).write_index.tolist()
     assert all(99 * 4 <= i < 100 * 4 for i in meta.write_index[5:].tolist())
-    assert meta.decode_blocks.numel() == 8 * 8 and meta.decode_bias.shape == (2 * 8, 1, 32)
+    assert meta.decodes.blocks.numel() == 8 * 8 and meta.decodes.bias.shape == (2 * 8, 1, 32)
     # Padding decodes attend over the first decode's blocks and context, never the trash.
-    blocks = meta.decode_blocks.view(8, 8)
+    blocks = meta.decodes.blocks.view(8, 8)
     assert all(torch.equal(blocks[r], blocks[0]) for r in range(5, 8))
-    assert 99 not in meta.decode_blocks.tolist()
+    assert 99 not in meta.decodes.blocks.view(-1).tolist()
 
 
 def test_mixed_step_pads_its_decode_batch_and_keeps_the_real_targets():

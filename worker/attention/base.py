@@ -1,0 +1,123 @@
+"""``AttentionBackend``: the operations every attention implementation provides.
+
+A backend is chosen once, when the worker starts (``worker.attention.select_backend``). The
+model and the compiled decode step call it and never ask which one they have:
+
+- ``metadata``: once per eager step, what every layer reads (``AttentionMetadata``);
+- ``decode_rows``: once per compiled step, inside the traced graph, the decodes' part of it;
+- ``forward``: one eager layer: write the new K/V into the paged cache, then attend (decodes
+  and prefill spans together);
+- ``decode``: one query per row over its cached positions plus its own new k/v, without writing
+  the cache (the compiled graph writes every layer's K/V after it, in one copy);
+- ``prefill``: one prefill span, fresh or continuing a cached prefix.
+
+Shapes: q (T, n_heads, hd); kv (T, 2, n_kv, hd), each token's new K and V side by side; one
+layer of the cache (2, n_kv, S, hd), S = (num_blocks + 1) * block_size, as ``KVCache.layer``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from worker.attention.metadata import AttentionMetadata, DecodeRows, PrefillSpan
+
+# ``KVCache.scratch``: (name, shape) -> a reusable buffer in the pool's dtype.
+Scratch = Callable[[str, tuple[int, ...]], torch.Tensor]
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one model's heads over one cache's blocks."""
+
+    name: str  # how the worker's log names it
+
+    def __init__(
+        self,
+        *,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str,
+    ) -> None:
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.block_size, self.dtype, self.device = block_size, dtype, device
+
+    def metadata(
+        self, items: list[tuple[list[int], int, int]], *, trash_block: int | None = None
+    ) -> AttentionMetadata:
+        """One step's metadata from ``(block_table, start, num_new)`` per item (see
+        ``AttentionMetadata.build``)."""
+        return AttentionMetadata.build(
+            items,
+            block_size=self.block_size,
+            n_kv_heads=self.n_kv_heads,
+            dtype=self.dtype,
+            device=self.device,
+            trash_block=trash_block,
+        )
+
+    def decode_rows(self, blocks: torch.Tensor, cached: torch.Tensor) -> DecodeRows:
+        """A compiled step's decodes from its block ids (B, M) and cached counts (B,)."""
+        return DecodeRows.of(blocks, cached, self.block_size, self.n_kv_heads, self.dtype)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scratch: Scratch | None = None,
+    ) -> torch.Tensor:
+        """One eager layer: write kv (T, 2, n_kv, hd) into ``layer`` at ``meta.write_index``,
+        then attend; q (T, n_heads, hd) -> (T, n_heads, hd). K and V travel together: one write
+        per layer instead of two."""
+        layer.index_copy_(2, meta.write_index, kv.permute(1, 2, 0, 3))
+        if not meta.prefills:
+            return self.decode(q, kv, layer, meta.decodes, scratch)
+        out = torch.zeros_like(q)  # zeros, not empty: padding rows must stay finite
+        if meta.decode_tokens.numel():
+            tokens, targets = meta.decode_tokens, meta.decode_targets
+            decoded = self.decode(q[tokens], kv[tokens], layer, meta.decodes, scratch)
+            out[targets] = decoded[: targets.numel()]
+        for span in meta.prefills:
+            out[span.begin : span.end] = self.prefill(q, kv, layer, span)
+        return out
+
+    @abstractmethod
+    def decode(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        layer: torch.Tensor,
+        rows: DecodeRows,
+        scratch: Scratch | None = None,
+    ) -> torch.Tensor:
+        """q (B, n_heads, hd) and the rows' new kv (B, 2, n_kv, hd) -> (B, n_heads, hd): each
+        row attends over its ``rows.cached`` positions in ``layer`` and then its own new k/v.
+        Reads ``layer`` only. ``scratch`` lends buffers where the call is not being traced."""
+
+    @abstractmethod
+    def prefill(
+        self, q: torch.Tensor, kv: torch.Tensor, layer: torch.Tensor, span: PrefillSpan
+    ) -> torch.Tensor:
+        """The span's queries q[begin:end] (n, n_heads, hd), causal over its cached prefix and
+        its own new kv (already written into ``layer``) -> (n, n_heads, hd)."""
+
+
+def gather_blocks(
+    layer: torch.Tensor, blocks: torch.Tensor, block_size: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """layer (2, n_kv, S, hd), blocks (K,) -> K and V together, (2, n_kv, K * bs, hd): one
+    contiguous copy per block, far fewer index computations than a per-token gather, into
+    ``out`` (2, n_kv, K, bs, hd) if given."""
+    two, n_kv, _, head_dim = layer.shape
+    paged = layer.view(two, n_kv, -1, block_size, head_dim)  # (2, n_kv, N, bs, hd)
+    if out is None:
+        picked = paged.index_select(2, blocks)
+    else:
+        picked = torch.index_select(paged, 2, blocks, out=out)  # (2, n_kv, K, bs, hd)
+    return picked.view(two, n_kv, -1, head_dim)

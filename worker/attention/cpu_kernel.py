@@ -1,0 +1,47 @@
+"""``CpuKernelBackend``: decodes through nanoserve's own CPU operator.
+
+``torch.ops.nanoserve.decode_attention`` (``worker/csrc/decode_attention.cpp``, built by
+``worker.kernels``) reads each row's bfloat16 blocks in place, where the torch backend first
+gathers them into a copy: a decode's attention costs one pass over its K/V. Eager and compiled
+steps call the same operator. Prefills are the torch backend's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker import kernels
+from worker.attention.base import Scratch
+from worker.attention.metadata import DecodeRows
+from worker.attention.torch_backend import TorchBackend
+
+
+class CpuKernelBackend(TorchBackend):
+    """Decodes in ``torch.ops.nanoserve.decode_attention``; prefills in SDPA."""
+
+    name = "cpu-kernel"
+
+    @staticmethod
+    def supports(
+        dtype: torch.dtype, device: str, head_dim: int, n_heads: int, n_kv_heads: int
+    ) -> bool:
+        """Whether the operator serves a pool of this dtype on this device with these heads:
+        bfloat16 on CPU, where it builds (the first call may build it) and takes the heads."""
+        if dtype != torch.bfloat16 or device != "cpu" or n_heads % n_kv_heads:
+            return False
+        group = n_heads // n_kv_heads
+        ops = torch.ops.nanoserve
+        return kernels.available() and ops.decode_attention_supports(head_dim, group)
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        layer: torch.Tensor,
+        rows: DecodeRows,
+        scratch: Scratch | None = None,
+    ) -> torch.Tensor:
+        """See ``AttentionBackend.decode``; reads the cache in place, so needs no scratch."""
+        return torch.ops.nanoserve.decode_attention(
+            q, kv, layer, rows.blocks, rows.cached, self.block_size
+        )
