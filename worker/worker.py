@@ -6,6 +6,7 @@ this class only turns a checked step into one flattened forward and one sampling
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -38,6 +39,7 @@ class Worker:
         from nanoserve.model_files import resolve_model
         from worker.loader import load_checkpoint
 
+        bound_onednn_cache()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -210,6 +212,15 @@ class Worker:
         return self.row_table.summaries()
 
 
+def bound_onednn_cache() -> None:
+    """Bound oneDNN's primitive cache, unless the user set it: it caches one primitive per
+    matmul shape, and the worker pads every step to bucketed sizes (``worker.shapes``), so a run
+    meets a bounded set of shapes and oneDNN's usual 1024 entries hold the ones in use; memory
+    stops growing once they are built. oneDNN reads the variable when it builds its first
+    primitive, so this runs before the model loads."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
+
+
 def _max_model_len(config: WorkerConfig, model_config) -> int:
     limit = getattr(model_config, "max_position_embeddings", None) or _MAX_DEFAULT_LEN
     if config.max_model_len is None:
@@ -239,6 +250,4 @@ def _available_ram() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import torch
 from conftest import make_worker
 
@@ -79,3 +83,19 @@ def test_padded_worker_step_writes_only_real_positions_and_the_trash_block(tiny_
     untouched = pool[:, :, :, 5 : worker.cache.trash_block]
     assert not real.isnan().any() and untouched.isnan().all()
     assert not pool[:, :, :, worker.cache.trash_block].isnan().all()
+
+
+def test_the_onednn_cache_is_bounded_when_a_worker_starts_not_on_import(tiny_dir, monkeypatch):
+    """Its bound is what keeps the bucketed shapes' primitives resident: set by ``Worker``,
+    before any forward; importing the package leaves the environment alone."""
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    code = "import os, worker.worker, worker.compiled; print(os.environ.get({!r}))"
+    done = subprocess.run(
+        [sys.executable, "-c", code.format("ONEDNN_PRIMITIVE_CACHE_CAPACITY")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.strip() == "None"
+    make_worker(tiny_dir)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"
