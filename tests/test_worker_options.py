@@ -34,3 +34,33 @@ def test_q4_max_tokens_flag_and_variable(monkeypatch):
     assert _config(monkeypatch, [], {}).q4_max_tokens == 8
     assert _config(monkeypatch, ["--q4-max-tokens", "2"], {}).q4_max_tokens == 2
     assert _config(monkeypatch, [], {"NANOSERVE_Q4_MAX_TOKENS": "0"}).q4_max_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "argv,env,expected",
+    [
+        ([], {}, False),
+        (["--generic-path"], {}, True),
+        ([], {"NANOSERVE_GENERIC_PATH": "1"}, True),
+        (["--no-generic-path"], {"NANOSERVE_GENERIC_PATH": "1"}, False),
+    ],
+)
+def test_generic_path_flag_and_variable(monkeypatch, argv, env, expected):
+    monkeypatch.delenv("NANOSERVE_GENERIC_PATH", raising=False)
+    assert _config(monkeypatch, argv, env).generic_path is expected
+
+
+def test_generic_path_does_not_compile(monkeypatch):
+    monkeypatch.delenv("NANOSERVE_GENERIC_PATH", raising=False)
+    monkeypatch.delenv("NANOSERVE_COMPILE", raising=False)
+    with pytest.raises(ValueError, match="CUDA does not compile"):
+        _config(monkeypatch, ["--generic-path", "--compile"], {})
+
+
+def test_serve_passes_the_generic_path_to_its_worker(monkeypatch):
+    from nanoserve.commands.serve import child_environment
+
+    monkeypatch.delenv("NANOSERVE_GENERIC_PATH", raising=False)
+    args = build_parser().parse_args(["serve", "--generic-path"])
+    assert child_environment(args)["NANOSERVE_GENERIC_PATH"] == "1"
+    assert "NANOSERVE_GENERIC_PATH" not in child_environment(build_parser().parse_args(["serve"]))

@@ -39,6 +39,7 @@ def bench_forward(
     num_threads: int | None = None,
     q4_max_tokens: int = 8,
     compile: bool = False,
+    generic_path: bool = False,
     profile: bool = False,
 ) -> list[BenchRow]:
     """Run the benchmark; returns one BenchRow per (dtype, batch size)."""
@@ -58,6 +59,7 @@ def bench_forward(
             num_threads=num_threads,
             q4_max_tokens=q4_max_tokens,
             compile=compile,
+            generic_path=generic_path,
             max_model_len=max(context + 2 * decode_steps + 2, block_size),
         )
         worker = Worker(config, progress=False)

@@ -2,8 +2,9 @@
 operators.
 
 ``torch.ops.nanoserve.decode_attention``: one decode query per row over its paged bfloat16
-K/V, read in place (see ``csrc/decode_attention.cpp``). Decode steps, eager and compiled, call
-it instead of a gather, two matmuls and a softmax (``worker.attention.uses_own_kernel``).
+K/V, read in place (see ``csrc/decode_attention.cpp``). The CPU-kernel attention backend
+(``worker.attention.cpu_kernel``) decodes with it, eager and compiled, instead of a gather, two
+matmuls and a softmax.
 
 ``torch.ops.nanoserve.argmax``: torch.argmax over float32 rows, vectorized (``csrc/argmax.cpp``);
 the sampler's greedy choices.

@@ -66,12 +66,12 @@ class Worker:
             self._compile()
 
     def _load_model(self, checkpoint) -> None:
-        """The model on its device; on CPU, in its faster weight layouts."""
+        """The model on its device; on CPU, off the generic path, in its faster weight layouts."""
         with torch.device("meta"):
             self.model = LlamaModel(self.spec)
         self.model.load_weights(checkpoint.weights)
         self.model = self.model.to(self.device).eval()
-        if not self.model.pack_for_cpu():
+        if self.config.generic_path or not self.model.pack_for_cpu():
             return
         if self.dtype == torch.bfloat16 and self.config.q4_max_tokens:
             self._attach_q4(checkpoint.config.model_type)
@@ -80,7 +80,8 @@ class Worker:
         """The attention backend and the sampler's argmax, chosen once. Asked now, so that the
         first build of ``worker.kernels`` happens before the worker announces itself, not in a
         step."""
-        own_argmax = self.device == "cpu" and kernels.available()
+        generic = self.config.generic_path
+        own_argmax = self.device == "cpu" and not generic and kernels.available()
         self.sampler = Sampler(self.eos_token_ids, own_argmax=own_argmax)
         self.attention = select_backend(
             n_heads=self.spec.n_heads,
@@ -89,6 +90,7 @@ class Worker:
             block_size=self.config.block_size,
             dtype=self.dtype,
             device=self.device,
+            generic=generic,
         )
 
     def _attach_q4(self, model_type: str) -> None:

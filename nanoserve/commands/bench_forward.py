@@ -28,6 +28,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="run small decode steps compiled, as `nanoserve worker --compile` (CPU)",
     )
     parser.add_argument(
+        "--generic-path",
+        action="store_true",
+        help="run the code CUDA runs, as `nanoserve worker --generic-path`",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="also print where each decode step's time goes"
     )
     parser.set_defaults(func=run)
@@ -54,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         num_threads=args.threads,
         q4_max_tokens=args.q4_max_tokens,
         compile=args.compile,
+        generic_path=args.generic_path,
         profile=args.profile,
     )
     print(format_table(rows, args.context))

@@ -49,6 +49,13 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         "start compiles for minutes; later starts read inductor's cache)",
     )
     group.add_argument(
+        "--generic-path",
+        action=argparse.BooleanOptionalAction,
+        default=env("generic_path", False, bool),
+        help="run on CPU exactly the code CUDA runs: torch attention, plain weights (no oneDNN "
+        "packing, no 4-bit matrices), torch's argmax; none of nanoserve's own kernels",
+    )
+    group.add_argument(
         "--debug-step-delay",
         type=float,
         default=env("debug_step_delay", 0.0, float),
@@ -82,6 +89,7 @@ def worker_config(args: argparse.Namespace):
         num_threads=args.threads,
         q4_max_tokens=args.q4_max_tokens,
         compile=args.compile,
+        generic_path=args.generic_path,
     )
 
 

@@ -1,7 +1,8 @@
 """The worker on the real default model (SmolLM2-135M-Instruct GGUF) against transformers.
 
 float32: greedy tokens identical to transformers' generate, alone, batched, chunked and after
-recompute; logits within LOGIT_TOL of a full-sequence transformers forward.
+recompute, on the default CPU path and on the generic one (the code CUDA runs); logits within
+LOGIT_TOL of a full-sequence transformers forward.
 bfloat16: logits within BF16_TOL of our float32 logits, and the same greedy first token.
 bfloat16 decode steps on the GGUF's 4-bit weights: within Q4_TOL of float32, same token >= 93%.
 """
@@ -12,6 +13,8 @@ import pytest
 import torch
 from conftest import hf_greedy, hf_logits, make_worker
 from driver import Driver, Request, greedy_requests
+
+from worker.attention import TorchBackend
 
 pytestmark = pytest.mark.slow
 
@@ -67,11 +70,29 @@ def real_worker():
     return make_worker(None, block_size=16, num_blocks=512, num_slots=16)
 
 
-@pytest.mark.parametrize("scenario", ["alone", "batched", "chunked", "recompute"])
-def test_real_greedy_matches_transformers(real_worker, real_reference, real_prompts, scenario):
+@pytest.fixture(scope="session")
+def real_generic_worker():
+    """The code CUDA runs, on CPU (``generic_path``)."""
+    worker = make_worker(None, block_size=16, num_blocks=512, num_slots=16, generic_path=True)
+    assert type(worker.attention) is TorchBackend and not worker.sampler.own_argmax
+    return worker
+
+
+SCENARIOS = ["alone", "batched", "chunked", "recompute"]
+
+
+# The generic path skips "alone": it takes half a minute and runs no code that "batched" does
+# not (the tiny model's generic tests run it).
+@pytest.mark.parametrize(
+    "scenario,path",
+    [(scenario, "default") for scenario in SCENARIOS]
+    + [(scenario, "generic") for scenario in SCENARIOS[1:]],
+)
+def test_real_greedy_matches_transformers(request, real_reference, real_prompts, scenario, path):
     model, expected = real_reference
     assert sum(len(e) for e in expected) >= 0.75 * MAX_NEW * len(PROMPTS)
-    driver = Driver(real_worker)
+    worker = request.getfixturevalue("real_worker" if path == "default" else "real_generic_worker")
+    driver = Driver(worker)
     if scenario == "alone":
         requests = [driver.run(greedy_requests([p], MAX_NEW))[0] for p in real_prompts]
     else:

@@ -1,5 +1,6 @@
 """The worker against transformers on a seeded tiny Llama: logits and greedy tokens, in every
-batching scenario (alone, batched, chunked prefill, recompute after release)."""
+batching scenario (alone, batched, chunked prefill, recompute after release), on the default
+CPU path and on the generic one (the code CUDA runs)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import pytest
 import torch
 from conftest import hf_greedy, hf_logits, hf_model, make_worker
 from driver import Driver, greedy_requests
+
+from worker import kernels
+from worker.attention import TorchBackend
+from worker.linear import Linear
 
 PROMPTS = [
     [1, 17, 42, 99, 3],
@@ -49,6 +54,30 @@ def test_tiny_matches_transformers(tiny_dir, tiny_reference, scenario):
     model, expected = tiny_reference
     assert any(len(e) == MAX_NEW for e in expected)  # not all stopping at once on EOS
     check(make_worker(tiny_dir), model, expected, scenario)
+
+
+def _no_kernels() -> bool:
+    raise AssertionError("the generic path asked for worker.kernels")
+
+
+@pytest.mark.parametrize("scenario", ["alone", "batched", "chunked", "recompute"])
+def test_generic_path_matches_transformers(tiny_dir, tiny_reference, scenario, monkeypatch):
+    model, expected = tiny_reference
+    monkeypatch.setattr(kernels, "available", _no_kernels)
+    check(make_worker(tiny_dir, generic_path=True), model, expected, scenario)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_generic_path_runs_only_what_cuda_runs(tiny_dir, dtype, monkeypatch):
+    """The torch attention backend, plain F.linear weights and torch's argmax; never a kernel."""
+    monkeypatch.setattr(kernels, "available", _no_kernels)
+    worker = make_worker(tiny_dir, dtype=dtype, generic_path=True)
+    assert type(worker.attention) is TorchBackend
+    assert not worker.sampler.own_argmax and worker.q4_linears == 0
+    linears = [module for module in worker.model.modules() if isinstance(module, Linear)]
+    assert linears and all(linear.packed is None for linear in linears)
+    (request,) = Driver(worker).run(greedy_requests(PROMPTS[:1], 4))
+    assert len(request.output) == 4 and torch.stack(request.logits).isfinite().all()
 
 
 @pytest.mark.parametrize(
