@@ -30,7 +30,7 @@ from worker.model import LlamaModel
 from worker.rope import rotary_cos_sin
 
 # Decode-only steps of at most this many rows (padding included) run compiled: up to it the
-# graph beats eager steps (the README has the figures). Beyond it, the torch backend's gather
+# graph beats eager steps (docs/worker-figures.md). Beyond it, the torch backend's gather
 # copies, fresh in a graph, would grow to tens of MB a layer; the eager path reuses one scratch
 # buffer.
 MAX_BATCH = 32
@@ -58,12 +58,12 @@ class CompiledDecode:
                 # element would cost more than the load it guards.
                 "assert_indirect_indexing": False,
                 # The graph's ~400 kernel and matmul calls are made from C++, not from a
-                # Python wrapper, which costs a measurable share of a small step.
+                # Python wrapper whose overhead is a visible share of a small step.
                 "cpp_wrapper": True,
                 # The oneDNN fusion passes assume weights inductor packed itself (freezing).
                 "pattern_matcher": False,
-                # The model's modules never change after start, and checking them every step
-                # costs as much as some of the step's layers.
+                # The model's modules never change after start: checking them every step would
+                # be wasted work.
                 "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
             },
         )

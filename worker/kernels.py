@@ -9,7 +9,7 @@ matmuls and a softmax.
 ``torch.ops.nanoserve.argmax``: torch.argmax over float32 rows, vectorized (``csrc/argmax.cpp``);
 the sampler's greedy choices.
 
-The sources compile with ``torch.utils.cpp_extension`` (about 10 s) into nanoserve's cache
+The sources compile with ``torch.utils.cpp_extension`` into nanoserve's cache
 directory and load from there afterwards; a changed source, flag or torch version rebuilds
 them. On a CPU without AVX-512, or where the build fails, ``available()`` is False and callers
 keep their torch code.

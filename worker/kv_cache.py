@@ -38,8 +38,8 @@ class KVCache:
         self.trash_block = num_blocks  # the one block past the ledger's
         shape = (num_layers, 2, n_kv_heads, num_blocks + 1, block_size, head_dim)
         # zeros, not empty: every page is touched now, so the whole budget is resident from the
-        # start and memory stays flat however the blocks are later reused (with empty, FIFO
-        # block reuse touched new pages for hours), and a budget too big fails at start.
+        # start and memory stays flat however the blocks are later reused (with empty, reused
+        # blocks would keep touching new pages), and a budget too big fails at start.
         self.pool = torch.zeros(shape, dtype=dtype, device=device)
         flat = (num_layers, 2, n_kv_heads, (num_blocks + 1) * block_size, head_dim)
         self._flat = self.pool.view(flat)

@@ -86,8 +86,8 @@ def gguf_to_hf_dir(files: ModelFiles, progress: bool = True) -> Path:
 
 def load_q4(files: ModelFiles, model_type: str, n_heads: int, n_kv_heads: int):
     """A GGUF's 4-bit matrices (``read_q4_tensors``), cached beside its converted directory:
-    reading them from the GGUF means parsing its whole metadata (4 s here, mostly the
-    tokenizer's vocabulary); the cached copy maps in a fraction of a second."""
+    reading them from the GGUF means parsing its whole metadata (mostly the tokenizer's
+    vocabulary), where the cached copy only maps its tensors."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 

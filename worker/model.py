@@ -149,9 +149,8 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # (T, hidden)
 
 
-# The lm head's GGUF matrix (usually Q8_0, so two 4-bit halves) runs for one row only: at one
-# row it took 1.6 ms against 2.1 in bfloat16 (SmolLM2's 49152 x 576), at two the same, and
-# beyond it is slower.
+# The lm head's GGUF matrix (usually Q8_0, so two 4-bit halves) runs for one row only: twice the
+# columns pay for themselves at one row and not beyond (docs/worker-figures.md).
 LM_HEAD_Q4_MAX_ROWS = 1
 
 _FUSED_PARTS = {  # the linears after ``fuse`` -> the checkpoint's matrices, stacked by rows

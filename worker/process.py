@@ -29,6 +29,7 @@ from protocol.messages import (
     Shutdown,
     StepInput,
     StepResult,
+    WorkerReady,
 )
 
 log = logging.getLogger("nanoserve.worker")
@@ -46,30 +47,7 @@ def run_worker(
 
     worker = Worker(config)
     ready = worker.ready()
-    log.info(
-        "model %s ready on %s/%s: %d blocks of %d, %d slots, max_model_len %d",
-        ready.model_id,
-        ready.device,
-        ready.dtype,
-        ready.num_blocks,
-        ready.block_size,
-        ready.num_slots,
-        ready.max_model_len,
-    )
-    if worker.q4_linears:
-        log.info(
-            "%d linears also run on the GGUF's 4-bit weights, in steps of at most %d tokens",
-            worker.q4_linears,
-            config.q4_max_tokens,
-        )
-    if worker.compiled is not None:
-        from worker.compiled import MAX_BATCH
-
-        log.info(
-            "decode steps of at most %d rows run compiled (compiled or loaded in %.1f s)",
-            MAX_BATCH,
-            worker.compiled.warm_up_s,
-        )
+    _log_ready(worker, ready)
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
@@ -99,6 +77,36 @@ def run_worker(
         heart.join(5.0)
         socket.close(0)
         context.term()
+
+
+def _log_ready(worker, ready: WorkerReady) -> None:
+    """What the worker loaded and how it will run its steps."""
+    log.info(
+        "model %s ready on %s/%s: %d blocks of %d, %d slots, max_model_len %d",
+        ready.model_id,
+        ready.device,
+        ready.dtype,
+        ready.num_blocks,
+        ready.block_size,
+        ready.num_slots,
+        ready.max_model_len,
+    )
+    if worker.config.generic_path:
+        log.info("generic path: the code CUDA runs (plain weights, torch's argmax)")
+    if worker.q4_linears:
+        log.info(
+            "%d linears also run on the GGUF's 4-bit weights, in steps of at most %d tokens",
+            worker.q4_linears,
+            worker.config.q4_max_tokens,
+        )
+    if worker.compiled is not None:
+        from worker.compiled import MAX_BATCH
+
+        log.info(
+            "decode steps of at most %d rows run compiled (compiled or loaded in %.1f s)",
+            MAX_BATCH,
+            worker.compiled.warm_up_s,
+        )
 
 
 def _serve(channel: Channel, worker, stopping: list[int], poll_s: float, delay_s: float) -> int:

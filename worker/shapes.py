@@ -1,9 +1,9 @@
 """Padded sizes, so that a long run meets only a few tensor shapes.
 
 oneDNN builds (and caches) one primitive per matmul shape. Served traffic gives a new token
-count, decode batch or context length almost every step, and a primitive per shape kept the
-worker's resident memory growing for as long as new shapes kept coming (hundreds of MiB over
-an hour of random lengths). Padding each size up to a bucket bounds the shapes a run can ever
+count, decode batch or context length almost every step, and a primitive per shape would keep
+the worker's resident memory growing for as long as new shapes kept coming. Padding each size
+up to a bucket bounds the shapes a run can ever
 meet, so the primitives stop coming after the first minutes and memory stays flat. The padding
 work is small: buckets are fine where sizes are small, and coarse only where a step is large.
 """

@@ -1,11 +1,10 @@
-// nanoserve::decode_attention: one decode query per row over its paged bfloat16 K/V, for the
-// compiled decode step on CPU (worker/compiled.py).
+// nanoserve::decode_attention: one decode query per row over its paged bfloat16 K/V, the decodes
+// of the CPU-kernel attention backend (worker/attention/cpu_kernel.py), eager and compiled.
 //
-// Inductor builds this attention from a gather of every cached K/V into a fresh buffer, two
-// batched matmuls and a fused softmax: about 45 us a layer at batch 1 and a 256-token context,
-// most of it fixed costs. Here each (row, KV head) pair reads its blocks in place once, in
-// float32 arithmetic: scores, an exact softmax (the max subtracted, the new token included),
-// then the weighted sum of the values.
+// The torch backend builds this attention from a gather of every cached K/V into a copy, two
+// batched matmuls and a softmax, mostly fixed costs at small batches. Here each (row, KV head)
+// pair reads its blocks in place once, in float32 arithmetic: scores, an exact softmax (the
+// max subtracted, the new token included), then the weighted sum of the values.
 //
 // Shapes: q (B, nq, hd), kv (B, 2, n_kv, hd) the new token's k and v, layer (2, n_kv, S, hd)
 // one layer of the pool, blocks (B, M) each row's block ids, cached (B,) how many positions
@@ -80,9 +79,7 @@ struct Views {
 //
 // Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every block
 // boundary: while reading position i of block j this prefetches position i of the next block
-// in keys-then-values order. At batch 32 and a 200-token context, 30 layers with blocks in
-// random order took 17.4 against 24.7 ms a step without it (7.5 either way with the pool in
-// cache).
+// in keys-then-values order.
 template <typename F>
 inline void for_each_position(const Views& v, const int64_t* table, int64_t cached,
                               const c10::BFloat16* keys, const c10::BFloat16* values, int phase,
@@ -152,8 +149,7 @@ void attend(const Views& v, int64_t row, int64_t head, std::vector<float>& scrat
   // Scores: one dot product per (position, query head); the group shares each key's load.
 #ifdef __AVX512BF16__
   // q and k are bfloat16 already: vdpbf16ps multiplies 32 pairs exactly and adds them into 16
-  // float32 lanes, with no conversion of k. 6.2 against 7.5 ms a step (batch 32, 200-token
-  // context, 30 layers in cache).
+  // float32 lanes, with no conversion of k.
   constexpr int P = (C + 1) / 2;  // 32-value chunks of the head dimension (16 for head_dim 16)
   __m512bh q[G][P];
   for (int g = 0; g < G; ++g)
