@@ -31,7 +31,12 @@ class DecodeRows(NamedTuple):
 
     @classmethod
     def of(
-        cls, blocks: torch.Tensor, cached: torch.Tensor, block_size: int, n_kv_heads: int, dtype
+        cls,
+        blocks: torch.Tensor,
+        cached: torch.Tensor,
+        block_size: int,
+        n_kv_heads: int,
+        dtype: torch.dtype,
     ) -> DecodeRows:
         """From the padded block ids (B, M) and cached counts (B,); plain tensor code, so a
         compiled graph builds its own from its inputs."""
