@@ -83,12 +83,15 @@ class StepItem(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=T
     The worker keeps one cache row per slot: the row's block table and how many tokens of K/V
     it holds. ``new_blocks`` are appended to that block table before the forward. ``token_ids``
     are the tokens to compute, at positions ``[start, start + len(token_ids))``; every position
-    below ``start`` is already cached in the row. ``start == 0`` begins a fresh row: it then
-    carries ``params`` and ``prompt_len`` (the worker needs both for penalties and seeds, and
-    a recomputed request resends its prompt plus everything it had generated).
+    below ``start`` is already cached in the row. ``fresh`` begins a new row: ``new_blocks`` is
+    then its whole block table, and it carries ``params`` and ``prompt_len`` (the worker needs
+    both for penalties and seeds; a recomputed request resends its prompt plus everything it had
+    generated). A fresh row may start past 0: its first ``start // block_size`` blocks already
+    hold the K/V of ``cached_token_ids`` (a prefix-cache hit, a whole number of blocks), which
+    the worker must never write.
     ``sample`` is False for a prefill chunk that does not reach the end of the known tokens.
-    ``token_ids == [PENDING_TOKEN]`` (only ever alone, with ``start > 0``) feeds back the token
-    the worker sampled for this row in the row's previous step.
+    ``token_ids == [PENDING_TOKEN]`` (only ever alone, on a row that is not fresh) feeds back the
+    token the worker sampled for this row in the row's previous step.
     """
 
     request_id: str
@@ -99,6 +102,8 @@ class StepItem(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=T
     sample: bool = True
     params: SamplingParams | None = None
     prompt_len: int = 0
+    fresh: bool = False
+    cached_token_ids: list[int] = []
 
 
 class StepInput(Message):
@@ -208,6 +213,7 @@ class AddRequest(Message):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None  # requests share cached blocks only with equal salts
 
 
 class Abort(Message):
@@ -239,6 +245,7 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_o
     num_prompt_tokens: int = 0
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
 
 
 class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
@@ -275,6 +282,8 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     frontends_lost_total: int = 0
     steps_in_flight: int = 0
     worker_resident_bytes: int = 0
+    prefix_cache_queries: int = 0  # tokens of admitted requests (every admission counted)
+    prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
 
 
 class Outputs(Message):

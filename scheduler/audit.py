@@ -26,6 +26,8 @@ them exactly as the worker will. Every check then runs unchanged.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
+from itertools import compress, filterfalse
 
 from protocol.messages import RowSummary, StepInput
 from scheduler.request import Request, RequestStatus
@@ -40,6 +42,7 @@ class InvariantViolation(RuntimeError):
 def audit_all(scheduler: Scheduler, rows: list[RowSummary] | None = None) -> None:
     """Run every check; ``rows`` (the worker's cache rows) are checked when given."""
     audit_pool(scheduler)
+    audit_cache(scheduler)
     audit_slots(scheduler)
     audit_requests(scheduler)
     if rows is not None:
@@ -48,14 +51,14 @@ def audit_all(scheduler: Scheduler, rows: list[RowSummary] | None = None) -> Non
 
 def project_rows(rows: list[RowSummary], steps: list[StepInput]) -> list[RowSummary]:
     """The rows as they will be after ``steps`` run, in order, under the row contract: released
-    slots empty first, then each item restarts (start 0) or extends its slot's row."""
+    slots empty first, then each item begins (fresh) or extends its slot's row."""
     by_slot = {row.slot: row for row in rows}
     for step in steps:
         for slot in step.released_slots:
             by_slot[slot] = RowSummary(slot=slot, request_id=None, block_ids=[], num_cached=0)
         for item in step.items:
             row = by_slot.get(item.slot)
-            if item.start == 0 or row is None:
+            if item.fresh or row is None:
                 blocks, cached = [], 0
             else:
                 blocks, cached = row.block_ids, row.num_cached
@@ -63,7 +66,7 @@ def project_rows(rows: list[RowSummary], steps: list[StepInput]) -> list[RowSumm
                 slot=item.slot,
                 request_id=item.request_id,
                 block_ids=[*blocks, *item.new_blocks],
-                num_cached=cached + len(item.token_ids),
+                num_cached=(item.start if item.fresh else cached) + len(item.token_ids),
             )
     return [by_slot[slot] for slot in sorted(by_slot)]
 
@@ -73,10 +76,11 @@ def _known(scheduler: Scheduler) -> list[Request]:
 
 
 def audit_pool(scheduler: Scheduler) -> None:
-    """Every block is free or allocated (never both, never neither), and an allocated block's
-    reference count equals the number of requests holding it (no holder means a leak)."""
+    """Every block is uncached-free, cached-free or held (exactly one of them), and a held
+    block's reference count equals the number of requests holding it (no holder means a leak)."""
     allocator = scheduler.allocator
-    free = allocator.free_blocks
+    uncached = allocator.uncached_free_blocks
+    evictable = frozenset(allocator.eviction_queue)
     counts = allocator.ref_counts
     known = _known(scheduler)
     # Set arithmetic first (fast at 100k blocks); per-block detail only to name a culprit.
@@ -84,9 +88,15 @@ def audit_pool(scheduler: Scheduler) -> None:
     held = set(held_list)
     if held and (min(held) < 0 or max(held) >= allocator.num_blocks):
         _raise_out_of_range(known, allocator.num_blocks)
-    both = free & counts.keys()
-    if both:
-        raise InvariantViolation(f"block {min(both)} is both free and allocated")
+    for first, second, what in (
+        (uncached, counts.keys(), "both free and allocated"),
+        (evictable, counts.keys(), "both cached-free and allocated"),
+        (uncached, evictable, "both uncached-free and cached-free"),
+    ):
+        both = first & second
+        if both:
+            raise InvariantViolation(f"block {min(both)} is {what}")
+    free = uncached | evictable
     if len(free) + len(counts) != allocator.num_blocks or allocator.num_free != len(free):
         lost = set(range(allocator.num_blocks)) - free - counts.keys()
         raise InvariantViolation(f"block {min(lost)} is neither free nor allocated")
@@ -98,15 +108,103 @@ def audit_pool(scheduler: Scheduler) -> None:
     if len(counts) != len(held):  # held is inside allocated now: only a size check is left
         leaked = counts.keys() - held
         raise InvariantViolation(f"block {min(leaked)} is allocated but no request holds it")
-    if len(held_list) != len(held) or (counts and max(counts.values()) != 1):
-        holders = Counter(held_list)
-        for block in sorted(held):
-            if counts[block] != holders[block]:
-                names = [r.request_id for r in known if block in r.block_ids]
-                raise InvariantViolation(
-                    f"block {block} has reference count {counts[block]} but {len(names)} "
-                    f"holders ({', '.join(names)})"
-                )
+    total = sum(counts.values())
+    if len(held_list) != total or total != len(counts):  # a mismatch, or a shared block
+        _check_reference_counts(known, counts, held_list, total)
+
+
+def _shared(counts: Mapping[int, int]) -> set[int]:
+    """The blocks with several holders (in C: the pool may hold 100k blocks)."""
+    return set(compress(counts.keys(), map((1).__lt__, counts.values())))
+
+
+def _check_reference_counts(
+    known: list[Request], counts: Mapping[int, int], held: list[int], total: int
+) -> None:
+    """Every block's reference count equals its holders. With as many holdings as the counts
+    add up to, checking the shared blocks is enough: each other block is held at least once
+    and counts one, so a block held twice would leave some shared block short."""
+    if len(held) == total:
+        suspects = _shared(counts)
+        holders = Counter(filter(suspects.__contains__, held))
+    else:
+        holders = Counter(held)
+        suspects = holders.keys() | counts.keys()
+    for block in sorted(suspects):
+        if counts.get(block, 0) != holders[block]:
+            names = [r.request_id for r in known if block in r.block_ids]
+            raise InvariantViolation(
+                f"block {block} has reference count {counts.get(block, 0)} but {len(names)} "
+                f"holders ({', '.join(names)})"
+            )
+
+
+def audit_cache(scheduler: Scheduler) -> None:
+    """The prefix cache agrees with the pool and the holders: the eviction queue holds exactly
+    the cached-free blocks; the hash index and the blocks' hashes agree both ways; a running
+    request's cached blocks lie in its cached prefix (planned K/V), each at the position whose
+    hash in its own chain is the block's; a shared block is cached."""
+    allocator = scheduler.allocator
+    cached = allocator.cached_blocks
+    index = allocator.hash_index
+    counts = allocator.ref_counts
+    evictable = set(allocator.eviction_queue)
+    # Set differences against the 100k-entry views would copy them: test membership instead.
+    stray = set(filterfalse(cached.__contains__, evictable))
+    if stray:
+        raise InvariantViolation(f"block {min(stray)} is in the eviction queue but not cached")
+    # The pool's three states are disjoint (audit_pool): a cached block that is free but not
+    # queued can only be on the uncached list.
+    uncached = allocator.uncached_free_blocks
+    if not cached.keys().isdisjoint(uncached):
+        block = min(b for b in uncached if b in cached)
+        raise InvariantViolation(f"block {block} is cached and free but not in the eviction queue")
+    if list(map(cached.get, index.values())) != list(index.keys()):  # in C: ~100k entries
+        block = next(b for digest, b in index.items() if cached.get(b) != digest)
+        raise InvariantViolation(f"the hash index names block {block} for another hash")
+    if len(index) != len(cached):
+        missing = min(b for b, digest in cached.items() if index.get(digest) != b)
+        raise InvariantViolation(f"block {missing} is cached but not in the hash index")
+    if sum(counts.values()) != len(counts):  # some block has several holders
+        unhashed = [block for block in _shared(counts) if block not in cached]
+        if unhashed:
+            block = min(unhashed)
+            raise InvariantViolation(
+                f"block {block} is shared by {counts[block]} requests but not cached"
+            )
+    for request in scheduler.running:
+        _check_cached_prefix(request, cached, allocator.block_size)
+
+
+def _check_cached_prefix(request: Request, cached: Mapping[int, bytes], block_size: int) -> None:
+    """A holder's cached blocks lie in its first ``num_blocks_cached`` blocks, each with the
+    hash its own chain gives that position. Chains hash every earlier token, so a block shared
+    by two holders (it is cached, above) sits at the same position in both."""
+    name, prefix = request.request_id, request.num_blocks_cached
+    if prefix * block_size > request.num_computed or prefix > len(request.block_hashes):
+        raise InvariantViolation(
+            f"request {name} has {prefix} blocks in the cache but has computed only "
+            f"{request.num_computed} tokens ({len(request.block_hashes)} hashed)"
+        )
+    tail = request.block_ids[prefix:]
+    if not cached.keys().isdisjoint(tail):
+        block = next(b for b in tail if b in cached)
+        raise InvariantViolation(
+            f"request {name} holds cached block {block} past its cached prefix of {prefix} blocks"
+        )
+    head = request.block_ids[:prefix]
+    digests = list(map(cached.get, head))
+    expected = request.block_hashes[:prefix]
+    # Blocks whose hash another block already held stay uncached inside the prefix: compare the
+    # cached ones only (compress and filter run in C: this loop covers the whole pool).
+    if digests == expected or list(filter(None, digests)) == list(compress(expected, digests)):
+        return
+    for position, (digest, own) in enumerate(zip(digests, expected, strict=True)):
+        if digest is not None and digest != own:
+            raise InvariantViolation(
+                f"request {name} holds cached block {head[position]} at position {position}, "
+                "where its own hash chain names other tokens"
+            )
 
 
 def _raise_out_of_range(known: list[Request], num_blocks: int) -> None:
@@ -250,8 +348,9 @@ def _check_stale_row(scheduler: Scheduler, row: RowSummary) -> None:
             f"slot {row.slot} awaits release but its row's tenant {row.request_id} is still known"
         )
     held = {b: r.request_id for r in scheduler.running for b in r.block_ids}
+    cached = scheduler.allocator.cached_blocks
     for block in row.block_ids:
-        if block in held:
+        if block in held and block not in cached:  # a cached block may be shared, read-only
             raise InvariantViolation(
                 f"slot {row.slot} awaits release but its row's block {block} is held by "
                 f"request {held[block]}"

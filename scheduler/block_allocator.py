@@ -1,20 +1,34 @@
-"""BlockAllocator: the ledger of the KV cache's blocks.
+"""BlockAllocator: the ledger of the KV cache's blocks, with the prefix cache's index.
 
-Every block id in ``range(num_blocks)`` is either free or allocated, and each allocated block
-counts its holders (a reference count), so that prefix sharing can later let several requests
-hold one block and the pool invariant becomes "reference count equals the number of holders".
-Today every allocation has exactly one holder.
+Every block id in ``range(num_blocks)`` is in exactly one of three states:
+
+- **held**: one or more requests hold it; its reference count is the number of holders;
+- **cached-free**: nobody holds it, but it still holds the K/V of a full block whose hash is in
+  the index, so a request with the same prefix can take it back (a cache hit);
+- **uncached-free**: nobody holds it and it holds nothing worth keeping.
+
+A held block may be cached too (hashed and indexed): that is how a running request's prefix is
+shared. Free blocks are handed out uncached first; only when none is left is a cached-free block
+evicted (its hash dropped), least recently freed first. The scheduler frees a request's blocks
+deepest first, so a chain is evicted from its tail and its shared head lasts longest.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 from scheduler.errors import BlockLedgerError, OutOfBlocks
 
 
+def ceil_div(a: int, b: int) -> int:
+    """The smallest integer >= a / b, for positive b."""
+    return -(-a // b)
+
+
 class BlockAllocator:
-    """Hands out and takes back KV cache block ids. Misuse raises at once."""
+    """Hands out, shares and takes back KV cache block ids. Misuse raises at once."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -27,28 +41,42 @@ class BlockAllocator:
         # makes a block reused too early (a leak's twin) show up sooner in tests.
         self._free: deque[int] = deque(range(num_blocks))
         self._free_set: set[int] = set(range(num_blocks))
+        # Cached-free blocks in eviction order: least recently freed first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
         self._ref_counts: dict[int, int] = {}
+        self._hash_of: dict[int, bytes] = {}  # every cached block, held or free
+        self._by_hash: dict[bytes, int] = {}  # the index: hash -> block
 
     # -- queries -----------------------------------------------------------------------------
     def blocks_for_length(self, num_tokens: int) -> int:
-        """How many blocks hold ``num_tokens`` tokens (a ceiling division)."""
+        """How many blocks hold ``num_tokens`` tokens."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        return -(-num_tokens // self.block_size)
+        return ceil_div(num_tokens, self.block_size)
 
     @property
     def num_free(self) -> int:
-        """How many blocks are free."""
-        return len(self._free)
+        """How many blocks are free, cached or not: what an allocation may take."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def free_blocks(self) -> frozenset[int]:
-        """The free block ids."""
+        """Every free block id, cached or not."""
+        return frozenset(self._free_set.union(self._evictable))
+
+    @property
+    def uncached_free_blocks(self) -> frozenset[int]:
+        """The free blocks that hold nothing worth keeping."""
         return frozenset(self._free_set)
 
     @property
+    def eviction_queue(self) -> list[int]:
+        """The cached-free blocks, the next to be evicted first."""
+        return list(self._evictable)
+
+    @property
     def allocated_blocks(self) -> frozenset[int]:
-        """The allocated block ids."""
+        """The held block ids."""
         return frozenset(self._ref_counts)
 
     def ref_count(self, block_id: int) -> int:
@@ -57,25 +85,89 @@ class BlockAllocator:
         return self._ref_counts.get(block_id, 0)
 
     @property
-    def ref_counts(self) -> dict[int, int]:
-        """A copy of ``{block_id: holders}`` for every allocated block."""
-        return dict(self._ref_counts)
+    def ref_counts(self) -> Mapping[int, int]:
+        """``{block_id: holders}`` for every held block (a read-only view)."""
+        return MappingProxyType(self._ref_counts)
+
+    @property
+    def cached_blocks(self) -> Mapping[int, bytes]:
+        """``{block_id: hash}`` for every cached block, held or free (a read-only view)."""
+        return MappingProxyType(self._hash_of)
+
+    @property
+    def hash_index(self) -> Mapping[bytes, int]:
+        """The index, ``{hash: block_id}`` (a read-only view)."""
+        return MappingProxyType(self._by_hash)
+
+    @property
+    def num_cached(self) -> int:
+        """How many blocks are in the index."""
+        return len(self._by_hash)
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of ``hashes`` that the index holds."""
+        found = []
+        for digest in hashes:
+            block = self._by_hash.get(digest)
+            if block is None:
+                break
+            found.append(block)
+        return found
 
     # -- changes -----------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks, or raise OutOfBlocks and take none."""
+        """Take ``n`` free blocks, uncached ones first, or raise OutOfBlocks and take none."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
-            raise OutOfBlocks(f"asked for {n} blocks, {len(self._free)} free of {self.num_blocks}")
-        ids = [self._free.popleft() for _ in range(n)]
-        for block_id in ids:
-            self._free_set.discard(block_id)
+        if n > self.num_free:
+            raise OutOfBlocks(f"asked for {n} blocks, {self.num_free} free of {self.num_blocks}")
+        ids = []
+        for _ in range(n):
+            if self._free:
+                block_id = self._free.popleft()
+                self._free_set.discard(block_id)
+            else:
+                block_id, _ = self._evictable.popitem(last=False)
+                del self._by_hash[self._hash_of.pop(block_id)]
             self._ref_counts[block_id] = 1
+            ids.append(block_id)
         return ids
 
-    def free_all(self, block_ids: list[int]) -> None:
-        """Drop one holder from each block; a block with no holder left becomes free.
+    def take(self, block_ids: Sequence[int]) -> list[int]:
+        """Add a holder to each cached block (a cache hit); a cached-free one leaves the
+        eviction queue. Every id is checked before any is taken."""
+        for block_id in block_ids:
+            self._check_range(block_id)
+            if block_id not in self._hash_of:
+                raise BlockLedgerError(f"block {block_id} taken as a hit but it is not cached")
+        if len(set(block_ids)) != len(block_ids):
+            raise BlockLedgerError(f"blocks {list(block_ids)} taken twice in one hit")
+        for block_id in block_ids:
+            if block_id in self._evictable:
+                del self._evictable[block_id]
+            self._ref_counts[block_id] = self._ref_counts.get(block_id, 0) + 1
+        return list(block_ids)
+
+    def cache(self, block_id: int, digest: bytes) -> bool:
+        """Index a held, full block under ``digest``; False (and nothing changes) when another
+        block already holds that hash: the first copy stays the one that is shared."""
+        self._check_range(block_id)
+        if block_id not in self._ref_counts:
+            raise BlockLedgerError(f"block {block_id} cached but it is not allocated")
+        known = self._hash_of.get(block_id)
+        if known is not None:
+            if known != digest:
+                raise BlockLedgerError(f"block {block_id} cached under two hashes")
+            return True
+        if digest in self._by_hash:
+            return False
+        self._hash_of[block_id] = digest
+        self._by_hash[digest] = block_id
+        return True
+
+    def free_all(self, block_ids: Sequence[int]) -> None:
+        """Drop one holder from each block, in the order given; a block with no holder left
+        becomes cached-free (at the back of the eviction queue) or uncached-free.
 
         Every id is checked before any is freed, so a bad call changes nothing.
         """
@@ -88,14 +180,29 @@ class BlockAllocator:
         for block_id in block_ids:
             self._release(block_id)
 
+    def clear_cache(self) -> int:
+        """Forget every hash (the K/V they named is gone): cached-free blocks become
+        uncached-free, held ones stay held. Returns how many blocks were cached."""
+        dropped = len(self._hash_of)
+        for block_id in self._evictable:
+            self._free.append(block_id)
+            self._free_set.add(block_id)
+        self._evictable.clear()
+        self._hash_of.clear()
+        self._by_hash.clear()
+        return dropped
+
     def _release(self, block_id: int) -> None:
         count = self._ref_counts[block_id] - 1
         if count:
             self._ref_counts[block_id] = count
             return
         del self._ref_counts[block_id]
-        self._free.append(block_id)
-        self._free_set.add(block_id)
+        if block_id in self._hash_of:
+            self._evictable[block_id] = None
+        else:
+            self._free.append(block_id)
+            self._free_set.add(block_id)
 
     def _check_range(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:

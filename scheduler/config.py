@@ -15,7 +15,8 @@ class SchedulerConfig:
     its blocks (ids ``0..num_blocks-1``), so one loaded worker can be driven through several
     pool sizes. ``audit`` runs the invariant checks between every iteration (and asks the worker
     for its rows). ``overlap`` plans step N+1 while the worker computes step N (two steps in
-    flight); False waits for each result before planning the next.
+    flight); False waits for each result before planning the next. ``enable_prefix_caching``
+    lets requests share the K/V of full blocks with equal hashes (a common prefix).
     """
 
     num_slots: int | None = None
@@ -25,6 +26,7 @@ class SchedulerConfig:
     max_model_len: int | None = None
     audit: bool = False
     overlap: bool = True
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.num_slots is not None and self.num_slots < 1:

@@ -72,6 +72,7 @@ class Engine:
             watermark_blocks=config.watermark_blocks,
             max_model_len=max_len,
             eos_token_ids=tuple(ready.eos_token_ids),
+            prefix_caching=config.enable_prefix_caching,
         )
         self.depth = 2 if config.overlap else 1  # steps in flight at most
         self._in_flight: deque[tuple[Batch, StepInput]] = deque()  # oldest first
@@ -88,10 +89,17 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queue a request; RequestRejected (a ValueError) if it could never run."""
-        self.scheduler.add_request(request_id, prompt_token_ids, params or SamplingParams())
+        """Queue a request; RequestRejected (a ValueError) if it could never run. Requests share
+        cached prefix blocks only with requests of the same ``cache_salt``."""
+        self.scheduler.add_request(
+            request_id, prompt_token_ids, params or SamplingParams(), cache_salt
+        )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Drop a request wherever it is (None if it is unknown or already finished)."""
@@ -150,7 +158,7 @@ class Engine:
     @staticmethod
     def _item(chunk: ScheduledChunk) -> StepItem:
         request = chunk.request
-        fresh = chunk.start == 0
+        fresh = chunk.fresh
         return StepItem(
             request_id=request.request_id,
             slot=request.slot,
@@ -160,6 +168,8 @@ class Engine:
             sample=chunk.sample,
             params=request.params if fresh else None,
             prompt_len=request.num_prompt_tokens if fresh else 0,
+            fresh=fresh,
+            cached_token_ids=request.token_slice(0, chunk.start) if fresh else [],
         )
 
     def apply(self, result: StepResult) -> list[RequestOutput]:
@@ -196,6 +206,7 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             logprobs=logprobs,
             top_logprobs=tops,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
 
     def step(self) -> list[RequestOutput]:
@@ -279,6 +290,8 @@ class Engine:
             worker_ready=True,
             worker_busy_s_total=self._busy_s,
             steps_in_flight=len(self._in_flight),
+            prefix_cache_queries=s.prefix_queries,
+            prefix_cache_hits=s.prefix_hits,
         )
 
 
@@ -295,4 +308,5 @@ def _merge(request_id: str, outputs: list[RequestOutput]) -> RequestOutput:
         finish_reason=outputs[-1].finish_reason if outputs else None,
         num_prompt_tokens=outputs[0].num_prompt_tokens if outputs else 0,
         logprobs=logprobs,
+        num_cached_tokens=outputs[0].num_cached_tokens if outputs else 0,
     )

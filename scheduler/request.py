@@ -9,6 +9,7 @@ import enum
 from dataclasses import dataclass, field
 
 from protocol.messages import PENDING_TOKEN, SamplingParams
+from scheduler.block_hash import block_hash, root_hash
 
 
 class RequestStatus(enum.Enum):
@@ -33,6 +34,11 @@ class Request:
     ``num_tokens`` but not yet of ``output_token_ids`` (the worker knows them, the scheduler
     does not yet). ``epoch`` changes at every preemption, so a result of a step planned before
     the preemption is recognised as stale and dropped.
+
+    Prefix caching: ``block_hashes`` is the hash chain of its full blocks of known tokens, grown
+    as tokens become known; ``num_blocks_cached`` counts its leading blocks already offered to
+    the index (or taken from it as hits); ``num_cached_tokens`` is how many prompt tokens its
+    first admission found cached (None until then).
     """
 
     request_id: str
@@ -51,6 +57,10 @@ class Request:
     num_pending: int = 0
     epoch: int = 0
     finish_reason: str | None = None
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_blocks_cached: int = 0
+    num_cached_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -81,3 +91,19 @@ class Request:
         # Sliced apart, never concatenated whole: a decode step must not cost O(context).
         known = prompt[start:n] + self.output_token_ids[max(0, start - n) : stop - n]
         return known + [PENDING_TOKEN] * (stop - start - len(known))
+
+    def hash_blocks(self, num_blocks: int, block_size: int) -> list[bytes]:
+        """``block_hashes``, grown to cover at least its first ``num_blocks`` blocks (each hash
+        is computed once); every token of those blocks must be known."""
+        hashes = self.block_hashes
+        if len(hashes) < num_blocks:
+            if num_blocks * block_size > self.num_known_tokens:
+                raise ValueError(
+                    f"request {self.request_id}: block {num_blocks - 1} has unknown tokens"
+                )
+            parent = hashes[-1] if hashes else root_hash(self.cache_salt)
+            for index in range(len(hashes), num_blocks):
+                begin = index * block_size
+                parent = block_hash(parent, self.token_slice(begin, begin + block_size))
+                hashes.append(parent)
+        return hashes

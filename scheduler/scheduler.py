@@ -10,6 +10,16 @@ One iteration (``schedule()``) runs in labelled phases, top to bottom:
    for all their known tokens (plus the watermark reserve) and the token budget allow. A prompt
    longer than the budget left is prefilled in chunks over several iterations.
 
+Prefix caching: a request is admitted with the longest run of its full blocks that the index
+holds (a hit takes a reference on each), and starts computing after them; at least one token
+is always computed, for the logits. Only the blocks a hit does not cover (plus the cached-free
+ones it takes out of the free pool) count against the pool and the watermark, and only the
+tokens after them against the budget. A full block is offered to the index once its K/V is
+planned by an earlier step (the worker runs steps in order, so a later one reads it) and all
+its tokens are known (with overlap, a block's last token may still be pending). When the
+worker's rows are lost, the index goes with them: no request may hit K/V that the next worker
+never computed.
+
 Running requests arrived before every waiting one, so the queue stays in arrival order even
 though preemption pushes to its head (the auditor checks both claims every iteration).
 
@@ -40,8 +50,9 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     sample: bool
-    new_blocks: list[int]  # appended to the worker's row (the whole table when start == 0)
+    new_blocks: list[int]  # appended to the worker's row (the whole table when fresh)
     epoch: int = 0  # the request's epoch when scheduled: a preemption since makes it stale
+    fresh: bool = False  # begins the request's row; positions below start are cache hits
 
 
 @dataclass
@@ -63,6 +74,7 @@ class Scheduler:
         watermark_blocks: int | None = None,
         max_model_len: int | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        prefix_caching: bool = True,
     ) -> None:
         if num_slots < 1 or token_budget < 1:
             raise ValueError(
@@ -80,6 +92,7 @@ class Scheduler:
         self.watermark_blocks = watermark_blocks
         self.max_model_len = max_model_len or allocator.num_blocks * allocator.block_size + 1
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.prefix_caching = prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
@@ -90,6 +103,8 @@ class Scheduler:
         self.thrashed_admissions = 0
         self.tokens_scheduled = 0
         self.tokens_recomputed = 0
+        self.prefix_queries = 0  # tokens of admitted requests, every admission counted
+        self.prefix_hits = 0  # of those, tokens found in the prefix cache
 
     # -- the ledgers, as the auditor reads them -----------------------------------------------
     @property
@@ -122,7 +137,11 @@ class Scheduler:
 
     # -- arrivals and departures ----------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queue a request, or raise RequestRejected if it could never run to its end."""
         if request_id in self._requests:
@@ -143,7 +162,9 @@ class Scheduler:
                 f"request {request_id!r} may need {need} blocks, the whole pool has "
                 f"{self.allocator.num_blocks}"
             )
-        request = Request(request_id, list(prompt_token_ids), params, self._next_arrival)
+        request = Request(
+            request_id, list(prompt_token_ids), params, self._next_arrival, cache_salt=cache_salt
+        )
         self._next_arrival += 1
         self._requests[request_id] = request
         self.waiting.append(request)
@@ -176,6 +197,10 @@ class Scheduler:
         budget = self._grow(chunks, self.token_budget)
         # Phase 2: admit from the head of the waiting queue.
         self._admit(chunks, budget)
+        # Phase 3: offer the index the blocks this step fills. Not before admission: a hit must
+        # never read K/V that the same step computes (a compiled step writes after its graph).
+        for chunk in chunks:
+            self._cache_full_blocks(chunk.request)
         released, self._pending_releases = self._pending_releases, []
         return Batch(chunks, released)
 
@@ -222,34 +247,63 @@ class Scheduler:
 
     def preempt_all(self) -> None:
         """The worker's rows are gone (it died, or refused a step): every running request goes
-        back to waiting with its tokens, oldest at the head. Every slot is released with the
-        next step: a refused step may be followed by one already in flight that the worker
-        accepts, so no row can be assumed empty."""
+        back to waiting with its tokens, oldest at the head, and the prefix cache is emptied
+        (the K/V it named was computed by steps that are lost, or by a worker that is gone).
+        Every slot is released with the next step: a refused step may be followed by one
+        already in flight that the worker accepts, so no row can be assumed empty."""
         while self.running:
             self._preempt(self.running[-1])
+        self.allocator.clear_cache()
         self._pending_releases = list(range(self.num_slots))
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
         while self.waiting and self._free_slots and budget > 0:
             request = self.waiting[0]
+            hits = self._cache_hits(request)
             need = self.allocator.blocks_for_length(request.num_tokens)
-            # The watermark may delay a request, never exclude one (design note 001).
+            # The watermark may delay a request, never exclude one: a request that could never
+            # fit beside the reserve is admitted without it, so an empty pool always takes it.
             reserve = self.watermark_blocks if need <= self.admissible_blocks else 0
-            if need + reserve > self.allocator.num_free:
+            if self._free_blocks_taken(need, hits) + reserve > self.allocator.num_free:
                 return
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            request.slot = heapq.heappop(self._free_slots)
-            request.block_ids = self.allocator.allocate(need)
-            request.admission_blocks = need
-            self.running.append(request)
-            n = min(request.num_tokens, budget)
+            self._start(request, hits, need)
+            n = min(request.num_tokens - request.num_computed, budget)
             chunks.append(self._chunk(request, n))
             budget -= n
+
+    def _cache_hits(self, request: Request) -> list[int]:
+        """The cached blocks of ``request``'s longest cached prefix, leaving at least one token
+        to compute."""
+        if not self.prefix_caching:
+            return []
+        usable = (request.num_tokens - 1) // self.allocator.block_size
+        hashes = request.hash_blocks(usable, self.allocator.block_size)
+        return self.allocator.lookup(hashes[:usable])
+
+    def _free_blocks_taken(self, need: int, hits: list[int]) -> int:
+        """Free blocks an admission of ``need`` blocks with these hits consumes: the new ones,
+        and the hits that are cached-free."""
+        return need - len(hits) + sum(1 for block in hits if self.allocator.ref_count(block) == 0)
+
+    def _start(self, request: Request, hits: list[int], need: int) -> None:
+        """Admit the waiting head: a slot, its hits shared, the rest of its blocks new."""
+        request.status = RequestStatus.RUNNING
+        request.slot = heapq.heappop(self._free_slots)
+        request.block_ids = self.allocator.take(hits) + self.allocator.allocate(need - len(hits))
+        request.admission_blocks = need
+        request.num_blocks_cached = len(hits)
+        request.num_computed = len(hits) * self.allocator.block_size
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = request.num_computed
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += request.num_computed
+        self.running.append(request)
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         """Schedule ``n`` tokens of ``request`` and account for them as computed (see Overlap)."""
         start = request.num_computed
+        fresh = request.blocks_sent == 0
         new_blocks = request.block_ids[request.blocks_sent :]
         request.blocks_sent = len(request.block_ids)
         self.tokens_scheduled += n
@@ -259,7 +313,20 @@ class Scheduler:
         request.high_water = max(request.high_water, request.num_computed)
         if sample:
             request.num_pending += 1
-        return ScheduledChunk(request, start, n, sample, new_blocks, request.epoch)
+        return ScheduledChunk(request, start, n, sample, new_blocks, request.epoch, fresh)
+
+    def _cache_full_blocks(self, request: Request) -> None:
+        """Offer the index every full block whose K/V is planned and whose tokens are known."""
+        if not self.prefix_caching:
+            return
+        size = self.allocator.block_size
+        full = min(request.num_computed, request.num_known_tokens) // size
+        if full <= request.num_blocks_cached:
+            return
+        hashes = request.hash_blocks(full, size)
+        for index in range(request.num_blocks_cached, full):
+            self.allocator.cache(request.block_ids[index], hashes[index])
+        request.num_blocks_cached = full
 
     def _finish_is_certain(self, request: Request) -> bool:
         """True when a pending token will end ``request`` by length whatever it is."""
@@ -282,6 +349,7 @@ class Scheduler:
             raise RuntimeError(f"request {request.request_id} has no pending token")
         request.num_pending -= 1
         request.output_token_ids.append(token_id)
+        self._cache_full_blocks(request)
         return self._stop_reason(request, token_id)
 
     def _stop_reason(self, request: Request, token_id: int) -> str | None:
@@ -298,10 +366,12 @@ class Scheduler:
 
     # -- helpers ----------------------------------------------------------------------------------
     def _give_back(self, request: Request) -> None:
-        self.allocator.free_all(request.block_ids)
+        # Deepest first: a chain's tail is then evicted before its (more shared) head.
+        self.allocator.free_all(request.block_ids[::-1])
         request.block_ids = []
         request.blocks_sent = 0
         request.num_computed = 0
+        request.num_blocks_cached = 0
         if request.slot is not None:
             heapq.heappush(self._free_slots, request.slot)
             self._pending_releases.append(request.slot)

@@ -96,21 +96,20 @@ class SimWorker:
     def _run_item(self, item: StepItem) -> int | None:
         if not 0 <= item.slot < len(self._rows):
             raise ValueError(f"slot {item.slot} out of range")
-        row = self._rows[item.slot]
-        if item.start == 0:
-            row = self._rows[item.slot] = _Row(item.request_id, [], 0, item.params, item.prompt_len)
-        elif item.start != row.num_cached or item.request_id != row.request_id:
+        row = self._begin(item) if item.fresh else self._rows[item.slot]
+        if not item.fresh and (item.start != row.num_cached or item.request_id != row.request_id):
             raise ValueError(
                 f"slot {item.slot}: item for {item.request_id} at start {item.start}, but the row "
                 f"holds {row.request_id} with {row.num_cached} tokens cached"
             )
         tokens = list(item.token_ids)
         if PENDING_TOKEN in tokens:
-            if tokens != [PENDING_TOKEN] or item.start == 0 or row.last_sampled is None:
+            if tokens != [PENDING_TOKEN] or item.fresh or row.last_sampled is None:
                 raise ValueError(f"slot {item.slot}: a pending token with nothing sampled")
             tokens = [row.last_sampled]
         row.last_sampled = None
-        row.block_ids += item.new_blocks
+        if not item.fresh:
+            row.block_ids += item.new_blocks
         size = len(self._kv[0])
         for offset, token in enumerate(tokens):
             pos = item.start + offset
@@ -122,9 +121,25 @@ class SimWorker:
             row.last_sampled = self._next_token(row)
         return row.last_sampled
 
+    def _begin(self, item: StepItem) -> _Row:
+        """A fresh row; positions below ``start`` must already be in its first blocks (hits),
+        holding exactly the tokens the scheduler says they hold."""
+        size = len(self._kv[0])
+        if item.start % size or item.start > len(item.new_blocks) * size:
+            raise ValueError(f"slot {item.slot}: a fresh row cannot start at {item.start}")
+        if list(item.cached_token_ids) != [
+            self._kv[item.new_blocks[p // size]][p % size] for p in range(item.start)
+        ]:
+            raise ValueError(f"slot {item.slot}: its cached blocks do not hold its prefix")
+        row = _Row(item.request_id, list(item.new_blocks), item.start, item.params, item.prompt_len)
+        self._rows[item.slot] = row
+        return row
+
     def _next_token(self, row: _Row) -> int:
         size = len(self._kv[0])
         history = array(
             "q", (self._kv[row.block_ids[p // size]][p % size] for p in range(row.num_cached))
         )
+        if -1 in history:
+            raise ValueError(f"row of {row.request_id} reads K/V that was never computed")
         return zlib.crc32(history.tobytes()) % self._ready.vocab_size

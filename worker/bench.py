@@ -82,6 +82,7 @@ def _one(worker, dtype, batch, context, decode_steps, blocks_per_row, vocab, pro
             start=0,
             params=GREEDY,
             prompt_len=context,
+            fresh=True,
         )
         for i in range(batch)
     ]

@@ -1,7 +1,8 @@
 """``RowTable``: the worker's cache rows, one per slot, and the row protocol's checks.
 
-See the contract in protocol/messages.py (``StepItem``): ``start == 0`` restarts a row, any
-other ``start`` must continue the same tenant exactly where its cache ends. A step is checked
+See the contract in protocol/messages.py (``StepItem``): a ``fresh`` item begins a row (past
+position 0 when its first blocks are prefix-cache hits), any other must continue the same
+tenant exactly where its cache ends. A step is checked
 whole before any row changes, so a rejected step leaves every row as it was.
 """
 
@@ -67,12 +68,11 @@ class RowTable:
         where = f"slot {item.slot} ({item.request_id!r})"
         if not item.token_ids:
             raise ValueError(f"{where}: item has no token_ids")
-        if item.start == 0:
-            if item.params is None or item.prompt_len < 1:
-                raise ValueError(f"{where}: start 0 needs params and prompt_len >= 1")
+        if item.fresh:
+            self._check_fresh(item, where)
             blocks = len(item.new_blocks)
         else:
-            if row.request_id != item.request_id or item.start != row.num_cached:
+            if row.request_id != item.request_id or item.start != row.num_cached or not item.start:
                 raise ValueError(
                     f"{where}: start {item.start} does not continue the row "
                     f"(tenant {row.request_id!r}, num_cached {row.num_cached})"
@@ -85,14 +85,24 @@ class RowTable:
                 f"or max_model_len {self.max_model_len}"
             )
         if PENDING_TOKEN in item.token_ids:
-            if list(item.token_ids) != [PENDING_TOKEN] or item.start == 0:
+            if list(item.token_ids) != [PENDING_TOKEN] or item.fresh:
                 raise ValueError(f"{where}: a pending token must be an item's only token")
             if row.last_sampled is None:
                 raise ValueError(f"{where}: a pending token, but the row's last step sampled none")
         bad = [b for b in item.new_blocks if not 0 <= b < self.num_blocks]
-        bad_tokens = [t for t in item.token_ids if not 0 <= t < vocab_size and t != PENDING_TOKEN]
+        tokens = [*item.token_ids, *item.cached_token_ids]
+        bad_tokens = [t for t in tokens if not 0 <= t < vocab_size and t != PENDING_TOKEN]
         if bad or bad_tokens:
             raise ValueError(f"{where}: block ids {bad} or token ids {bad_tokens} out of range")
+
+    def _check_fresh(self, item: StepItem, where: str) -> None:
+        if item.params is None or item.prompt_len < 1:
+            raise ValueError(f"{where}: a fresh row needs params and prompt_len >= 1")
+        if item.start % self.block_size or len(item.cached_token_ids) != item.start:
+            raise ValueError(
+                f"{where}: a fresh row starts after whole cached blocks, with their tokens "
+                f"(start {item.start}, {len(item.cached_token_ids)} cached tokens)"
+            )
 
     def release(self, slots: list[int]) -> None:
         """Empty these rows: no tenant, no blocks, nothing cached."""
@@ -103,10 +113,11 @@ class RowTable:
         """Update a checked item's row for the tokens about to be computed; return the row and
         those tokens, a pending token replaced by the row's last sample."""
         row = self.rows[item.slot]
-        if item.start == 0:
+        if item.fresh:
             params = item.params or SamplingParams()
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-            row = Row(item.request_id, [], 0, params, item.prompt_len, [], seed)
+            history = list(item.cached_token_ids)
+            row = Row(item.request_id, [], item.start, params, item.prompt_len, history, seed)
             self.rows[item.slot] = row
         tokens = list(item.token_ids)
         if tokens == [PENDING_TOKEN]:

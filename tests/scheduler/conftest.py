@@ -26,6 +26,7 @@ def make_engine(
     max_model_len: int = 4096,
     overlap: bool = True,
     vocab_size: int = 1000,
+    prefix_caching: bool = True,
 ) -> Engine:
     """An audited engine on a fresh SimWorker."""
     worker = SimWorker(
@@ -37,7 +38,11 @@ def make_engine(
         vocab_size=vocab_size,
     )
     config = SchedulerConfig(
-        token_budget=token_budget, watermark_blocks=watermark_blocks, audit=audit, overlap=overlap
+        token_budget=token_budget,
+        watermark_blocks=watermark_blocks,
+        audit=audit,
+        overlap=overlap,
+        enable_prefix_caching=prefix_caching,
     )
     return Engine.for_worker(worker, config, allocator=allocator)
 

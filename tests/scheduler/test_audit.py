@@ -270,7 +270,12 @@ def test_rows_stale_tenant_still_known(eng: Engine) -> None:
     )
 
 
-def test_rows_stale_block_held_by_someone_else(eng: Engine) -> None:
+def test_rows_stale_block_held_by_someone_else() -> None:
+    eng = make_engine(num_blocks=32, num_slots=3, overlap=False, prefix_caching=False)
+    for i, p in enumerate(prompts(3, length=6)):
+        eng.add_request(f"r{i}", p, PARAMS)
+    for _ in range(3):
+        eng.step()
     eng.scheduler.abort("r1")
     block = eng.scheduler.running[0].block_ids[0]
     run(

@@ -144,7 +144,7 @@ def test_watermark_default_is_one_percent_truncated() -> None:
 def test_watermark_delays_admission() -> None:
     engine = make_engine(num_blocks=8, num_slots=3, watermark_blocks=3)
     engine.add_request("a", list(range(12)), GREEDY)  # 3 blocks
-    engine.add_request("b", list(range(9)), GREEDY)  # 3 blocks: 3 + 3 > 5 free
+    engine.add_request("b", list(range(100, 109)), GREEDY)  # 3 blocks: 3 + 3 > 5 free
     engine.step()
     assert [r.request_id for r in engine.scheduler.running] == ["a"]
     run_to_end(engine)

@@ -105,6 +105,7 @@ class Driver:
             sample=end == len(known),
             params=req.params if start == 0 else None,
             prompt_len=len(req.prompt) if start == 0 else 0,
+            fresh=start == 0,
         )
 
     def _release(self, req: Request) -> None:

@@ -11,7 +11,7 @@ P = SamplingParams(temperature=0.0)
 
 
 def item(slot=0, start=0, tokens=(1, 5, 6), blocks=(0,), rid="a", **kw) -> StepItem:
-    params = dict(params=P, prompt_len=len(tokens)) if start == 0 else {}
+    params = dict(params=P, prompt_len=len(tokens), fresh=True) if start == 0 else {}
     params.update(kw)
     return StepItem(
         request_id=rid,

@@ -73,6 +73,7 @@ def test_padded_worker_step_writes_only_real_positions_and_the_trash_block(tiny_
             start=0,
             params=greedy,
             prompt_len=len(p),
+            fresh=True,
         )
         for r, p in enumerate(prompts)
     ]
