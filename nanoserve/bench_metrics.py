@@ -20,6 +20,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
     error: str | None = None
+    text: str = ""  # the generated text (a multi-turn run feeds it back)
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
 
     @property
     def success(self) -> bool:

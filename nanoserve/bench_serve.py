@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from nanoserve.bench_chat import Conversation, MultiTurn, build_conversations
 from nanoserve.bench_data import (
     FIRST_PLAIN_TOKEN,
     BenchRequest,
@@ -47,7 +48,7 @@ class BenchServeConfig:
     endpoint_type: str = "completions"  # or "chat"
     model: str | None = None  # None: the first model /v1/models lists
     api_key: str | None = None
-    dataset: str = "random"  # or "shipped"
+    dataset: str = "random"  # or "shipped", or "multi-turn" (chat conversations)
     prompt_format: str = "ids"  # or "text"
     num_prompts: int = 100
     input_len: int = 128
@@ -64,10 +65,21 @@ class BenchServeConfig:
     stream_usage: bool = True
     request_timeout: float = 600.0
     ready_timeout: float = 0.0
+    random_prefix_len: int = 0  # random dataset: one seeded prefix shared by every prompt
+    num_conversations: int = 8  # multi-turn: conversations at once
+    turns: int = 6  # multi-turn: user messages per conversation
+    system_len: int = 750  # multi-turn: words of the shared system prompt
 
     def __post_init__(self) -> None:
         _choice("endpoint type", self.endpoint_type, ("completions", "chat"))
-        _choice("dataset", self.dataset, ("random", "shipped"))
+        _choice("dataset", self.dataset, ("random", "shipped", "multi-turn"))
+        if self.dataset == "multi-turn" and self.endpoint_type != "chat":
+            raise ValueError("the multi-turn dataset needs --endpoint-type chat")
+        for name in ("num_conversations", "turns", "system_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1")
+        if self.random_prefix_len < 0:
+            raise ValueError("random-prefix-len must be >= 0")
         _choice("prompt format", self.prompt_format, ("ids", "text"))
         if self.endpoint_type == "chat" and self.prompt_format == "ids":
             raise ValueError("the chat endpoint takes text: use --prompt-format text")
@@ -105,7 +117,7 @@ class BenchServeConfig:
     def workload_args(self) -> dict[str, object]:
         """The keyword arguments of ``build_workload`` this config implies."""
         names = ("dataset", "prompt_format", "num_prompts", "input_len", "output_len")
-        names += ("range_ratio", "vocab_size", "seed")
+        names += ("range_ratio", "vocab_size", "seed", "random_prefix_len")
         return {name: getattr(self, name) for name in names}
 
     @property
@@ -147,7 +159,7 @@ async def read_stream(
 ) -> None:
     """Fill ``result`` from an SSE stream: the clock is read once per chunk that carries text
     and once at the end. Output tokens come from the usage chunk when there is one."""
-    last, chunks, usage = start, 0, None
+    last, chunks, usage, parts = start, 0, None, []
     async for raw in lines:
         line = raw.strip()
         if not line.startswith(b"data:"):
@@ -161,8 +173,10 @@ async def read_stream(
         if "error" in event:
             raise StreamError(str(event["error"])[:200])
         usage = event.get("usage") or usage
-        if not _chunk_text(event, chat):
+        text = _chunk_text(event, chat)
+        if not text:
             continue
+        parts.append(text)
         now = clock()
         if result.ttft is None:
             result.ttft = now - start
@@ -170,9 +184,13 @@ async def read_stream(
             result.itl.append(now - last)
         last, chunks = now, chunks + 1
     result.latency = clock() - start
+    result.text = "".join(parts)
     result.output_len = int(usage.get("completion_tokens") or chunks) if usage else chunks
     if usage and usage.get("prompt_tokens"):
         result.prompt_len = int(usage["prompt_tokens"])
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        result.cached_tokens = int(details["cached_tokens"])
 
 
 def _chunk_text(event: dict, chat: bool) -> str:
@@ -249,17 +267,15 @@ class BenchServe:
         ) as session:
             model = await self._model(session)
             await self._warmup(session, model)
-            requests = build_workload(**cfg.workload_args)
-            offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.seed)
             before, scraped_at = await self._scrape(session), time.perf_counter()
-            results, duration = await run_load(session, cfg, model, requests, offsets)
+            summary = await self._load(session, model)
             after = await self._scrape(session)
             scrape_wall = time.perf_counter() - scraped_at
         busy_before, busy_after = before.get("worker_busy"), after.get("worker_busy")
         steps = busy_delta(before.get("num_steps"), after.get("num_steps"))
         return {
             **self._run_info(model),
-            **summarize(results, duration, cfg.goodput),
+            **summary,
             "worker_busy_metric": busy_after[0] if busy_after else None,
             "worker_busy_seconds": busy_delta(busy_before, busy_after),
             "worker_busy_ratio": busy_ratio(busy_before, busy_after, scrape_wall),
@@ -268,6 +284,22 @@ class BenchServe:
             "worker_rss_mib_start": mib(before.get("worker_resident_memory")),
             "worker_rss_mib_end": mib(after.get("worker_resident_memory")),
         }
+
+    async def _load(self, session: aiohttp.ClientSession, model: str) -> dict[str, object]:
+        """The timed load: the request workload, or the multi-turn conversations."""
+        cfg = self.config
+        if cfg.dataset == "multi-turn":
+            return await MultiTurn(cfg, self._conversations(cfg.seed)).run(session, model)
+        requests = build_workload(**cfg.workload_args)
+        offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.seed)
+        results, duration = await run_load(session, cfg, model, requests, offsets)
+        return summarize(results, duration, cfg.goodput)
+
+    def _conversations(self, seed: int) -> list[Conversation]:
+        cfg = self.config
+        return build_conversations(
+            cfg.num_conversations, cfg.turns, cfg.system_len, cfg.input_len, seed
+        )
 
     def _run_info(self, model: str) -> dict[str, object]:
         cfg = self.config
@@ -283,6 +315,7 @@ class BenchServe:
             "output_len": cfg.output_len,
             "range_ratio": cfg.range_ratio,
             "seed": cfg.seed,
+            "random_prefix_len": cfg.random_prefix_len,
             "max_concurrency": cfg.max_concurrency,
             "request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate,
             "temperature": cfg.temperature,
@@ -315,6 +348,12 @@ class BenchServe:
         """Send untimed requests first; stop with the server's answer if every one fails."""
         count = self.config.num_warmups
         if count == 0:
+            return
+        if self.config.dataset == "multi-turn":  # another system prompt: nothing cached ahead
+            warm = self._conversations(self.config.seed + 2**32)[:1]
+            results = await MultiTurn(self.config, warm).run(session, model)
+            if not results["completed"]:
+                raise UserError("warmup conversation failed")
             return
         # Prompts of their own, so no timed prompt finds its prefix already cached.
         args = self.config.workload_args | {"num_prompts": count, "seed": self.config.seed + 2**32}

@@ -37,9 +37,12 @@ def build_workload(
     range_ratio: float,
     vocab_size: int,
     seed: int,
+    random_prefix_len: int = 0,
 ) -> list[BenchRequest]:
     """``num_prompts`` seeded requests. ``dataset`` is "random" (token ids, or random words
-    when ``prompt_format`` is "text") or "shipped" (the prompt set, shuffled and cycled)."""
+    when ``prompt_format`` is "text") or "shipped" (the prompt set, shuffled and cycled).
+    ``random_prefix_len`` puts one seeded prefix of that length before every random prompt:
+    many requests with one long common prefix (an agent's system prompt and tools)."""
     rng = random.Random(seed)
     in_lens = _lengths(rng, input_len, range_ratio, num_prompts)
     out_lens = _lengths(rng, output_len, range_ratio, num_prompts)
@@ -48,15 +51,21 @@ def build_workload(
         rng.shuffle(texts)
         picks = [texts[i % len(texts)] for i in range(num_prompts)]
         return [BenchRequest(t, len(t.split()), n) for t, n in zip(picks, out_lens, strict=True)]
+    shared = random.Random(f"prefix-{seed}")  # its own stream: lengths stay as without it
     if prompt_format == "text":
         words = shipped_words()
+        prefix = " ".join(shared.choices(words, k=random_prefix_len))
         return [
-            BenchRequest(" ".join(rng.choices(words, k=n)), n, m)
+            BenchRequest(
+                f"{prefix} {' '.join(rng.choices(words, k=n))}".lstrip(), n + random_prefix_len, m
+            )
             for n, m in zip(in_lens, out_lens, strict=True)
         ]
     ids = range(FIRST_PLAIN_TOKEN, vocab_size)
+    head = shared.choices(ids, k=random_prefix_len)
     return [
-        BenchRequest(rng.choices(ids, k=n), n, m) for n, m in zip(in_lens, out_lens, strict=True)
+        BenchRequest(head + rng.choices(ids, k=n), n + random_prefix_len, m)
+        for n, m in zip(in_lens, out_lens, strict=True)
     ]
 
 

@@ -40,7 +40,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     srv.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     srv.add_argument("--ready-timeout", type=float, default=0.0, help="wait for /v1/models")
     work = p.add_argument_group("workload")
-    work.add_argument("--dataset", choices=("random", "shipped"), default="random")
+    work.add_argument(
+        "--dataset",
+        choices=("random", "shipped", "multi-turn"),
+        default="random",
+        help="multi-turn: chat conversations that resend their history (--endpoint-type chat)",
+    )
+    work.add_argument(
+        "--random-prefix-len", type=int, default=0, help="one shared prefix before every prompt"
+    )
+    work.add_argument("--num-conversations", type=int, default=8, help="multi-turn, at once")
+    work.add_argument("--turns", type=int, default=6, help="multi-turn: user messages each")
+    work.add_argument(
+        "--system-len", type=int, default=750, help="multi-turn: words of the system prompt"
+    )
     work.add_argument(
         "--prompt-format",
         choices=("ids", "text"),
@@ -119,6 +132,10 @@ def config_from_args(args: argparse.Namespace) -> object:
         stream_usage=not args.no_stream_usage,
         request_timeout=args.request_timeout,
         ready_timeout=args.ready_timeout,
+        random_prefix_len=args.random_prefix_len,
+        num_conversations=args.num_conversations,
+        turns=args.turns,
+        system_len=args.system_len,
     )
 
 
@@ -129,7 +146,12 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     to_stdout = args.json == "-"
     table_out = sys.stderr if to_stdout else sys.stdout  # keep stdout pure JSON
-    print(f"bench serve: {config.num_prompts} requests to {config.endpoint_url}", file=table_out)
+    what = (
+        f"{config.num_conversations} conversations of {config.turns} turns"
+        if config.dataset == "multi-turn"
+        else f"{config.num_prompts} requests"
+    )
+    print(f"bench serve: {what} to {config.endpoint_url}", file=table_out)
     report = _run_async(BenchServe(config).run())
     print(format_table(report), file=table_out)
     if args.json:
@@ -188,11 +210,32 @@ def format_table(report: dict) -> str:
         lines.append(_row(f"Mean {short} (ms):", stats["mean"]))
         lines.append(_row(f"Median {short} (ms):", stats["median"]))
         lines.append(_row(f"P99 {short} (ms):", stats["p99"]))
+    if report.get("per_turn"):
+        lines += _turn_lines(report)
     if report["errors"]:
         lines.append(" Failures ".center(_WIDTH, "-"))
         lines += [f"{count:>6} x {error}" for error, count in list(report["errors"].items())[:5]]
     lines.append("=" * _WIDTH)
     return "\n".join(lines)
+
+
+def _turn_lines(report: dict) -> list[str]:
+    """The multi-turn section: TTFT by turn, with each turn's prompt and cached share."""
+    later = report["ttft_later_turns_ms"]
+    lines = [" Multi-turn: TTFT by turn ".center(_WIDTH, "-")]
+    lines.append(_row("Conversations x turns:", f"{report['conversations']} x {report['turns']}"))
+    lines.append(_row("Mean TTFT, turns 2+ (ms):", later["mean"]))
+    lines.append(_row("Median TTFT, turns 2+ (ms):", later["median"]))
+    lines.append("turn  done  prompt tok  cached  mean TTFT ms  median")
+    for turn in report["per_turn"]:
+        cached = turn["cached_share"]
+        ttft = turn["ttft_ms"]
+        lines.append(
+            f"{turn['turn']:>4}  {turn['completed']:>4}  {turn['mean_prompt_tokens'] or 0:>10.0f}"
+            f"  {'-' if cached is None else f'{cached:.0%}':>6}  {ttft['mean'] or 0:>12.0f}"
+            f"  {ttft['median'] or 0:>6.0f}"
+        )
+    return lines
 
 
 def _row(label: str, value: object) -> str:

@@ -105,12 +105,24 @@ class StubOpenAIServer:
             choice = {"index": 0, "delta": {"content": text}} if chat else {"text": text}
             await _send(resp, {"choices": [choice]})
         if (body.get("stream_options") or {}).get("include_usage"):
-            prompt = body["messages"][0]["content"] if chat else body["prompt"]
-            n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
-            usage = {"prompt_tokens": n_prompt, "completion_tokens": body["max_tokens"]}
-            await _send(resp, {"choices": [], "usage": usage})
+            await _send(resp, {"choices": [], "usage": _usage(body)})
         await resp.write(b"data: [DONE]\n\n")
         return resp
+
+
+def _usage(body: dict) -> dict:
+    """Prompt tokens are words (or ids); a chat request reports every message before its last
+    as cached, as a server with a prefix cache would."""
+    if "messages" not in body:
+        prompt = body["prompt"]
+        n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        return {"prompt_tokens": n_prompt, "completion_tokens": body["max_tokens"]}
+    words = [len(m["content"].split()) for m in body["messages"]]
+    return {
+        "prompt_tokens": sum(words),
+        "completion_tokens": body["max_tokens"],
+        "prompt_tokens_details": {"cached_tokens": sum(words[:-1])},
+    }
 
 
 async def _send(resp: web.StreamResponse, event: dict) -> None:

@@ -176,3 +176,49 @@ def test_registered_under_bench_and_torch_free():
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=15).returncode == 0
+
+
+async def test_multi_turn_feeds_each_reply_back_and_reports_ttft_by_turn():
+    async with StubOpenAIServer(StubScript(first_delay=0.01, token_delay=0.001)) as stub:
+        report = await _bench(
+            stub,
+            endpoint_type="chat",
+            prompt_format="text",
+            dataset="multi-turn",
+            num_conversations=3,
+            turns=4,
+            system_len=20,
+            input_len=5,
+            output_len=3,
+            num_warmups=1,
+        )
+    warm, timed = stub.bodies[:4], stub.bodies[4:]
+    assert (report["completed"], report["failed"], len(timed)) == (12, 0, 12)
+    systems = {b["messages"][0]["content"] for b in timed}
+    assert len(systems) == 1 and warm[0]["messages"][0]["content"] not in systems
+    by_length = sorted(timed, key=lambda b: len(b["messages"]))
+    assert [len(b["messages"]) for b in by_length] == [2] * 3 + [4] * 3 + [6] * 3 + [8] * 3
+    for body in by_length[3:]:  # each reply came back as the assistant message before it
+        assert [m["role"] for m in body["messages"][-3:]] == ["user", "assistant", "user"]
+        assert body["messages"][-2]["content"] == " t0 t1 t2"
+        assert body["max_tokens"] == 3 and body["ignore_eos"] and body["stream"]
+    turns = report["per_turn"]
+    assert [t["turn"] for t in turns] == [1, 2, 3, 4] and all(t["completed"] == 3 for t in turns)
+    assert turns[0]["cached_share"] == pytest.approx(25 / 30)  # the 25-word system prompt
+    assert turns[0]["mean_prompt_tokens"] < turns[3]["mean_prompt_tokens"]
+    assert report["ttft_later_turns_ms"]["mean"] >= 9.0
+    assert "Multi-turn: TTFT by turn" in command.format_table(report)
+
+
+async def test_random_prefix_len_shares_one_prefix():
+    async with StubOpenAIServer(StubScript(first_delay=0.0, token_delay=0.0)) as stub:
+        report = await _bench(stub, random_prefix_len=40, num_prompts=5, num_warmups=1)
+    warm, timed = stub.bodies[0]["prompt"], [b["prompt"] for b in stub.bodies[1:]]
+    assert report["total_input_tokens"] == 5 * (40 + 16)
+    assert all(p[:40] == timed[0][:40] for p in timed) and len({tuple(p) for p in timed}) == 5
+    assert warm[:40] != timed[0][:40]  # the warmup cannot prime the timed prefix
+
+
+def test_multi_turn_needs_the_chat_endpoint():
+    with pytest.raises(ValueError, match="multi-turn dataset needs --endpoint-type chat"):
+        BenchServeConfig(dataset="multi-turn", prompt_format="text")
