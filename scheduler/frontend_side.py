@@ -102,7 +102,9 @@ class FrontendSide:
             # so that a poisonous request can never crash the worker over and over.
             limits = RequestLimits(vocab_size=engine.ready_info.vocab_size)
             check_params(add.params, add.prompt_token_ids, limits)
-            engine.add_request(add.request_id, list(add.prompt_token_ids), add.params)
+            engine.add_request(
+                add.request_id, list(add.prompt_token_ids), add.params, add.cache_salt
+            )
         except ValueError as exc:
             self._reply(peer, [failed(add.request_id, str(exc))])
             return

@@ -52,6 +52,8 @@ class SoakReport:
     recompute_share: float
     thrashed_admissions: int
     outputs: list[list[int]]
+    prefix_queries: int = 0  # tokens of every admission
+    prefix_hits: int = 0  # of those, found in the prefix cache
 
     @property
     def text_digest(self) -> str:
@@ -70,6 +72,7 @@ class SoakReport:
                 f"max_preemptions     {self.max_preemptions} (worst request evicted {worst}x)",
                 f"recompute share     {self.recompute_share:.1%}",
                 f"thrashed admissions {self.thrashed_admissions}",
+                f"prefix cache hits   {self.prefix_hits} of {self.prefix_queries} tokens admitted",
                 f"text digest         {self.text_digest}",
                 "every block back, every slot back, every row empty",
             ]
@@ -77,11 +80,15 @@ class SoakReport:
 
 
 def make_prompts(
-    num_requests: int, prompt_len: int, vocab_size: int, seed: int = 0
+    num_requests: int, prompt_len: int, vocab_size: int, seed: int = 0, shared_prefix: int = 0
 ) -> list[list[int]]:
-    """Seeded random prompts (token ids below ``vocab_size``)."""
+    """Seeded random prompts (token ids below ``vocab_size``), each opening with the same
+    ``shared_prefix`` tokens."""
     rng = random.Random(seed)
-    return [[rng.randrange(vocab_size) for _ in range(prompt_len)] for _ in range(num_requests)]
+    head = [rng.randrange(vocab_size) for _ in range(shared_prefix)]
+    return [
+        head + [rng.randrange(vocab_size) for _ in range(prompt_len)] for _ in range(num_requests)
+    ]
 
 
 def soak(
@@ -120,6 +127,8 @@ def soak(
         recompute_share=sched.tokens_recomputed / max(1, sched.tokens_scheduled),
         thrashed_admissions=sched.thrashed_admissions,
         outputs=[list(r.output_token_ids) for r in requests.values()],
+        prefix_queries=sched.prefix_queries,
+        prefix_hits=sched.prefix_hits,
     )
 
 

@@ -41,6 +41,9 @@ class RowTable:
         self, *, num_slots: int, num_blocks: int, block_size: int, max_model_len: int, seed: int
     ) -> None:
         self.rows = [Row() for _ in range(num_slots)]
+        # Blocks some step of this worker has written: a prefix-cache hit may only name these
+        # (K/V in a block this process never wrote is zeros, whatever the scheduler believes).
+        self.written: set[int] = set()
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -103,6 +106,10 @@ class RowTable:
                 f"{where}: a fresh row starts after whole cached blocks, with their tokens "
                 f"(start {item.start}, {len(item.cached_token_ids)} cached tokens)"
             )
+        hits = item.new_blocks[: item.start // self.block_size]
+        unwritten = [block for block in hits if block not in self.written]
+        if unwritten:
+            raise ValueError(f"{where}: cache hits on blocks {unwritten} this worker never wrote")
 
     def release(self, slots: list[int]) -> None:
         """Empty these rows: no tenant, no blocks, nothing cached."""
@@ -123,6 +130,7 @@ class RowTable:
         if tokens == [PENDING_TOKEN]:
             tokens = [row.last_sampled]
         row.last_sampled = None  # set again only if this item samples
+        self.written.update(written_blocks(item, self.block_size))
         row.block_table.extend(item.new_blocks)
         row.num_cached += len(tokens)
         row.history.extend(tokens)
@@ -139,3 +147,9 @@ class RowTable:
             )
             for slot, row in enumerate(self.rows)
         ]
+
+
+def written_blocks(item: StepItem, block_size: int) -> list[int]:
+    """The blocks an item joins to its row that it will write: a fresh row's leading blocks are
+    prefix-cache hits, shared, and never written."""
+    return item.new_blocks[item.start // block_size :] if item.fresh else item.new_blocks

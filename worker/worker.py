@@ -16,7 +16,6 @@ from protocol.messages import (
     RowSummary,
     Sample,
     StepInput,
-    StepItem,
     StepResult,
     WorkerReady,
 )
@@ -25,7 +24,7 @@ from worker.attention import select_backend
 from worker.config import WorkerConfig
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel, ModelSpec
-from worker.rows import RowTable
+from worker.rows import RowTable, written_blocks
 from worker.sampler import Sampler
 from worker.shapes import padded_count
 
@@ -156,7 +155,7 @@ class Worker:
         applied = [self.row_table.apply(item) for item in step.items]
         bs = self.config.block_size
         rows = [row for row, _ in applied]
-        self.cache.zero_blocks([b for item in step.items for b in _written_blocks(item, bs)])
+        self.cache.zero_blocks([b for item in step.items for b in written_blocks(item, bs)])
         logits = self._forward(step, applied)
         sampled = [(item, row) for item, row in zip(step.items, rows, strict=True) if item.sample]
         draws = self.sampler.sample(logits, [row for _, row in sampled]) if sampled else []
@@ -223,12 +222,6 @@ def bound_onednn_cache() -> None:
     stops growing once they are built. oneDNN reads the variable when it builds its first
     primitive, so this runs before the model loads."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
-
-
-def _written_blocks(item: StepItem, block_size: int) -> list[int]:
-    """The blocks an item joins to its row that it will write: a fresh row's leading blocks are
-    prefix-cache hits, shared and never written."""
-    return item.new_blocks[item.start // block_size :] if item.fresh else item.new_blocks
 
 
 def _max_model_len(config: WorkerConfig, model_config) -> int:

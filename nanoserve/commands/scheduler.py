@@ -45,6 +45,12 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
         "while the worker computes step N)",
     )
     group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=env("enable_prefix_caching", True, bool),
+        help="share the K/V of full blocks between requests with a common prefix (default: on)",
+    )
+    group.add_argument(
         "--worker-timeout",
         type=float,
         default=env("worker_timeout", 60.0, float),
@@ -65,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         watermark_blocks=args.watermark_blocks,
         audit=args.audit,
         overlap=not args.disable_overlap,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     if args.worker_timeout <= 0:
         raise ValueError(f"--worker-timeout must be > 0, got {args.worker_timeout}")

@@ -39,12 +39,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def child_environment(args: argparse.Namespace) -> dict[str, str]:
-    """The parent's environment plus one NANOSERVE_* variable per option that has a value."""
+    """The parent's environment plus one NANOSERVE_* variable per option that has a value
+    (switches as 1 or 0, so an option that defaults to on can be turned off)."""
     environment = dict(os.environ)
     for name, value in vars(args).items():
-        if name in ("func", "command") or value is None or value is False:
+        if name in ("func", "command") or value is None:
             continue
-        environment[f"NANOSERVE_{name.upper()}"] = "1" if value is True else str(value)
+        text = "1" if value is True else "0" if value is False else str(value)
+        environment[f"NANOSERVE_{name.upper()}"] = text
     return environment
 
 

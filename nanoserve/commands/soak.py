@@ -18,6 +18,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=9)
     p.add_argument(
+        "--shared-prefix-blocks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every prompt opens with the same N blocks of tokens (before --prompt-len more)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share cached full blocks between requests (default: on)",
+    )
+    p.add_argument(
         "--inject-leak",
         type=int,
         default=None,
@@ -37,15 +50,21 @@ def run(args: argparse.Namespace) -> int:
 
     if args.requests < 1 or args.prompt_len < 1 or args.max_tokens < 1:
         raise ValueError("--requests, --prompt-len and --max-tokens must be >= 1")
+    if args.shared_prefix_blocks < 0:
+        raise ValueError("--shared-prefix-blocks must be >= 0")
     config = SchedulerConfig(
-        token_budget=args.token_budget, watermark_blocks=args.watermark_blocks, audit=True
+        token_budget=args.token_budget,
+        watermark_blocks=args.watermark_blocks,
+        audit=True,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     worker = make_worker(args)
     ready = worker.ready()
     allocator = None
     if args.inject_leak is not None:
         allocator = LeakyAllocator(ready.num_blocks, ready.block_size, args.inject_leak)
-    prompts = make_prompts(args.requests, args.prompt_len, ready.vocab_size, args.seed)
+    shared = args.shared_prefix_blocks * ready.block_size
+    prompts = make_prompts(args.requests, args.prompt_len, ready.vocab_size, args.seed, shared)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     try:
         report = soak(worker, config, prompts, params, allocator=allocator)
@@ -54,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(
         f"{args.requests} requests, {args.num_slots} slots, {ready.num_blocks} blocks of "
-        f"{ready.block_size}, budget {args.token_budget}, reserve {args.watermark_blocks}"
+        f"{ready.block_size}, budget {args.token_budget}, reserve {args.watermark_blocks}, "
+        f"shared prefix {args.shared_prefix_blocks} blocks, prefix caching "
+        f"{'on' if args.enable_prefix_caching else 'off'}"
     )
     print(report.format())
     return 0

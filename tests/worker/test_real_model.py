@@ -150,3 +150,21 @@ def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts)
     )
     assert worst < Q4_TOL
     assert agree / steps >= 0.93
+
+
+def test_real_prefix_hits_give_transformers_tokens(real_worker, real_reference, real_prompts):
+    """float32 with prefix caching (the default): every prompt again, batched, now starting on
+    its own cached blocks, gives transformers' tokens."""
+    from protocol.messages import SamplingParams
+    from scheduler.config import SchedulerConfig
+    from scheduler.engine import Engine
+
+    _, expected = real_reference
+    engine = Engine.for_worker(real_worker, SchedulerConfig(token_budget=512, audit=True))
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    first = engine.generate(real_prompts, params)
+    again = engine.generate(real_prompts, params)
+    assert [o.new_token_ids for o in first] == expected
+    assert [o.new_token_ids for o in again] == expected
+    long = [i for i, p in enumerate(real_prompts) if len(p) > 16]
+    assert long and all(again[i].num_cached_tokens >= 16 for i in long)
