@@ -81,12 +81,17 @@ class Server:
 
 
 def start_nanoserve(
-    dtype: str, log_dir: Path, threads: int | None, compile: bool = False
+    dtype: str,
+    log_dir: Path,
+    threads: int | None,
+    compile: bool = False,
+    extra_env: dict[str, str] | None = None,
 ) -> Server:
-    """Scheduler, worker and frontend, configured through NANOSERVE_* variables. A compiled
-    worker's first start compiles for minutes (later ones read inductor's cache)."""
+    """Scheduler, worker and frontend, configured through NANOSERVE_* variables (``extra_env``
+    adds more). A compiled worker's first start compiles for minutes (later ones read
+    inductor's cache)."""
     server = Server(f"nanoserve {dtype}", free_port(), log_dir)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
     env.update(
         NANOSERVE_RUN_ID=f"cmp{os.getpid()}-{uuid.uuid4().hex[:6]}",
         NANOSERVE_PORT=str(server.port),
@@ -106,12 +111,15 @@ def start_nanoserve(
     return server
 
 
-def start_llama_server(binary: Path, gguf: Path, log_dir: Path, slots: int, threads: int):
+def start_llama_server(
+    binary: Path, gguf: Path, log_dir: Path, slots: int, threads: int, slot_context: int = 512
+):
     """llama-server on the same GGUF: ``slots`` parallel slots, continuous batching, each slot
-    with room for 512 tokens (128 in + 128 out, with margin)."""
+    with room for ``slot_context`` tokens, and its defaults otherwise (``cache_prompt`` on: a
+    slot reuses the K/V of its previous prompt)."""
     server = Server("llama.cpp", free_port(), log_dir)
     command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(server.port)]
-    command += ["-np", str(slots), "-c", str(512 * slots), "-cb", "-t", str(threads)]
+    command += ["-np", str(slots), "-c", str(slot_context * slots), "-cb", "-t", str(threads)]
     # Enough HTTP threads for every client: with the default (about one per slot) connections
     # beyond them are refused, which is failure, not queueing.
     command += ["--threads-http", "64"]
