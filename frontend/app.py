@@ -7,7 +7,6 @@ scheduler connection lives in ``cleanup_ctx``, so it opens with the app and clos
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import msgspec
 from aiohttp import web
 
+from frontend.auth import TENANT, ApiKeys
 from frontend.client import SchedulerClient
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError
@@ -32,6 +32,7 @@ CLIENT = web.AppKey("client", SchedulerClient)
 METRICS = web.AppKey("metrics", Metrics)
 HANDLER = web.AppKey("handler", GenerationHandler)
 MODEL_NAME = web.AppKey("model_name", str)
+API_KEYS = web.AppKey("api_keys", ApiKeys)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -60,6 +61,7 @@ def create_app(
     app[METRICS] = metrics
     app[HANDLER] = handler
     app[MODEL_NAME] = model_name
+    app[API_KEYS] = ApiKeys(config.api_keys)
     app.cleanup_ctx.append(_scheduler_connection)
     app.router.add_post("/v1/completions", handler.completions)
     app.router.add_post("/v1/chat/completions", handler.chat_completions)
@@ -93,12 +95,9 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    key = request.app[CONFIG].api_key
-    if key is not None and request.path.startswith("/v1/"):
-        given = request.headers.get("Authorization", "")
-        expected = f"Bearer {key}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
+    if request.path.startswith("/v1/"):
+        keys = request.app[API_KEYS]
+        request[TENANT] = keys.tenant(request.headers.get("Authorization", ""))
     return await handler(request)
 
 
@@ -139,7 +138,7 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_document(request.app[CONFIG].api_key is not None))
+    return web.json_response(openapi_document(request.app[API_KEYS].required))
 
 
 def openapi_document(with_api_key: bool) -> dict:

@@ -159,11 +159,15 @@ class SchedulerClient:
         prompt_ids: list[int],
         params: SamplingParams,
         queue: asyncio.Queue[Delivery],
+        cache_salt: str | None = None,
     ) -> None:
-        """Send one scheduler request; its outputs arrive on ``queue`` as ``(index, output)``."""
+        """Send one scheduler request; its outputs arrive on ``queue`` as ``(index, output)``.
+        Only requests with equal ``cache_salt`` share cached prompt blocks."""
         if not self.alive:
             raise SchedulerLost("the scheduler is not connected")
-        message = AddRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params)
+        message = AddRequest(
+            request_id=request_id, prompt_token_ids=prompt_ids, params=params, cache_salt=cache_salt
+        )
         self._routes[request_id] = (index, queue)
         if not self._send_now(message):
             self._routes.pop(request_id, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from frontend.auth import parse_api_keys
 from protocol.addresses import Addresses, default_addresses
 from protocol.messages import MAX_LOGPROBS
 
@@ -50,6 +51,11 @@ class FrontendConfig:
     retry_after_s: int = 1
     log_level: str = "INFO"
 
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys ``api_key`` names (comma-separated); empty when none is required."""
+        return parse_api_keys(self.api_key)
+
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("host must not be empty")
@@ -75,3 +81,4 @@ class FrontendConfig:
             raise ValueError(f"retry_after_s must be >= 1, got {self.retry_after_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to disable the check)")
+        parse_api_keys(self.api_key)  # ValueError on an empty key among several

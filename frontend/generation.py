@@ -70,6 +70,7 @@ class Generation:
         ]
         self._arrival = time.monotonic()
         self._started = False
+        self.cached_tokens = 0  # prompt tokens the prefix cache held (the first choice's)
 
     @property
     def prompt_tokens(self) -> int:
@@ -94,7 +95,14 @@ class Generation:
             for index in range(self.request.n):
                 params = self.request.params_for(index)
                 sub_id = self._sub_id(index)
-                self._client.add(sub_id, index, self.request.prompt_ids, params, self._queue)
+                self._client.add(
+                    sub_id,
+                    index,
+                    self.request.prompt_ids,
+                    params,
+                    self._queue,
+                    self.request.cache_salt,
+                )
         except SchedulerLost as exc:
             self.close()
             raise _unavailable(exc) from None
@@ -126,6 +134,8 @@ class Generation:
     def _apply(self, index: int, output: RequestOutput) -> ChoiceUpdate:
         choice = self._choices[index]
         tokens = output.new_token_ids
+        if index == 0 and choice.num_tokens == 0:
+            self.cached_tokens = output.num_cached_tokens
         # The stop or EOS token that ended the request is counted but never shown.
         shown = len(tokens) - 1 if output.finish_reason == "stop" and tokens else len(tokens)
         logprobs: list[TokenLogprob] = []

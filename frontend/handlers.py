@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from frontend.auth import TENANT, cache_salt
 from frontend.client import SchedulerClient
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError
@@ -61,6 +63,8 @@ class GenerationHandler:
         if geometry is None:
             raise self.unavailable(self.client.unavailable_reason() or "not ready")
         parsed = self.parser.parse(body, chat=chat, geometry=geometry)
+        salt = cache_salt(request.get(TENANT), parsed.cache_salt)
+        parsed = dataclasses.replace(parsed, cache_salt=salt)
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         generation = Generation(parsed, request_id, self.client, self.tokenizer, self.metrics)
@@ -96,7 +100,9 @@ class GenerationHandler:
             if logprobs is not None:
                 logprobs[update.index].extend(update.logprobs)
         reasons = [generation.finish_reason(i) for i in range(parsed.n)]
-        usage = formatter.usage(generation.prompt_tokens, generation.completion_tokens)
+        usage = formatter.usage(
+            generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens
+        )
         body = formatter.response(texts, logprobs, reasons, usage)
         return web.Response(body=self._encoder.encode(body), content_type="application/json")
 
@@ -119,7 +125,8 @@ class GenerationHandler:
                     await self._send(response, formatter.chunk(update, usage))
             if usage:
                 tokens = (generation.prompt_tokens, generation.completion_tokens)
-                await self._send(response, formatter.usage_chunk(*tokens))
+                chunk = formatter.usage_chunk(*tokens, generation.cached_tokens)
+                await self._send(response, chunk)
         except ApiError as exc:
             # Headers are gone already: the error travels as an SSE event, then the stream ends.
             await self._send(response, exc.body())

@@ -65,6 +65,22 @@ MIRRORED = (
 )
 
 
+# The scheduler's running totals served as counters, as (series, help, EngineStats field).
+COUNTED = (
+    ("nanoserve:num_preemptions", "Preemptions reported by the scheduler", "num_preemptions_total"),
+    (
+        "nanoserve:prefix_cache_queries",
+        "Prompt tokens of admitted requests, looked up in the prefix cache (every admission)",
+        "prefix_cache_queries",
+    ),
+    (
+        "nanoserve:prefix_cache_hits",
+        "Of the prefix cache's queried tokens, those found cached",
+        "prefix_cache_hits",
+    ),
+)
+
+
 class Metrics:
     """Every series /metrics serves."""
 
@@ -75,10 +91,10 @@ class Metrics:
         self.kv_usage = Gauge(
             "nanoserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use", registry=r
         )
-        self.preemptions = Counter(
-            "nanoserve:num_preemptions", "Preemptions reported by the scheduler", registry=r
-        )
-        self._last_preemptions = 0
+        # The scheduler's running totals that are counters here (vLLM's names): each grows by
+        # what the total grew, so a restarted scheduler (totals from 0) never makes them fall.
+        self.counted = [(Counter(name, text, registry=r), field) for name, text, field in COUNTED]
+        self._last_totals = [0] * len(COUNTED)
         self.in_flight = Gauge(
             "nanoserve:frontend_requests_in_flight", "HTTP generation requests open", registry=r
         )
@@ -120,17 +136,17 @@ class Metrics:
         )
 
     def observe_stats(self, stats: EngineStats) -> None:
-        """Copy the scheduler's gauges, and derive the cache usage and the preemption count."""
+        """Copy the scheduler's gauges, derive the cache usage, and advance its counters."""
         for gauge, field in self.mirrored:
             gauge.set(getattr(stats, field))
         total = stats.kv_blocks_total
         self.kv_usage.set(stats.kv_blocks_used / total if total else 0.0)
         # The scheduler reports a running total; a restarted scheduler starts again from 0.
-        total_preempted = stats.num_preemptions_total
-        if total_preempted < self._last_preemptions:
-            self._last_preemptions = 0
-        self.preemptions.inc(total_preempted - self._last_preemptions)
-        self._last_preemptions = total_preempted
+        for i, (counter, field) in enumerate(self.counted):
+            total = getattr(stats, field)
+            last = self._last_totals[i] if total >= self._last_totals[i] else 0
+            counter.inc(total - last)
+            self._last_totals[i] = total
 
     def render(self) -> bytes:
         """Prometheus text exposition of every series."""

@@ -33,6 +33,7 @@ class GenerationRequest:
     include_usage: bool
     stop: tuple[str, ...]
     logprobs: int | None
+    cache_salt: str | None = None  # the prefix cache is shared only between equal salts
 
     def params_for(self, index: int) -> SamplingParams:
         """The params of choice ``index``: seeded requests get seed + index, so choices differ."""
@@ -92,6 +93,7 @@ class RequestParser:
             include_usage=bool(request.stream and options and options.include_usage),
             stop=stop,
             logprobs=logprobs,
+            cache_salt=request.cache_salt,
         )
 
     def _decode(self, body: bytes, chat: bool) -> Any:

@@ -24,12 +24,13 @@ class ResponseFormatter:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-        """OpenAI's usage object."""
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+        """OpenAI's usage object; ``cached_tokens``: prompt tokens found in the prefix cache."""
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
 
     # -- streaming ---------------------------------------------------------------------------
@@ -64,11 +65,13 @@ class ResponseFormatter:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
         """The last chunk when ``stream_options.include_usage``: no choices, only usage."""
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
         body["choices"] = []
-        body["usage"] = self.usage(prompt_tokens, completion_tokens)
+        body["usage"] = self.usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
     # -- whole responses ---------------------------------------------------------------------
@@ -78,7 +81,7 @@ class ResponseFormatter:
         texts: list[str],
         logprobs: list[list[TokenLogprob]] | None,
         finish_reasons: list[str | None],
-        usage: dict[str, int],
+        usage: dict[str, Any],
     ) -> dict[str, Any]:
         """The non-streaming response with every choice."""
         body = self._envelope("chat.completion" if self.chat else "text_completion")

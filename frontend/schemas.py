@@ -6,7 +6,12 @@ checked afterwards by ``RequestParser``.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+
+# vLLM's cache_salt: requests share cached prompt blocks only with requests of the same salt.
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -37,6 +42,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: CacheSalt | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

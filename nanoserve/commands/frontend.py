@@ -28,7 +28,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=_env("FRONTEND_ADDRESS"),
         help="scheduler's frontend endpoint (overrides --run-id/--transport)",
     )
-    p.add_argument("--api-key", default=_env("API_KEY"), help="require Bearer on /v1/*")
+    p.add_argument(
+        "--api-key",
+        default=_env("API_KEY"),
+        help="require one of these Bearer tokens on /v1/* (several: comma-separated); each key "
+        "is a tenant of its own in the prefix cache",
+    )
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-stop-strings", type=int, default=16)
     p.add_argument("--max-logprobs", type=int, default=20)

@@ -34,7 +34,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     group = parser.add_argument_group("frontend")
     group.add_argument("--host", default=env("host", "127.0.0.1"))
     group.add_argument("--port", type=int, default=env("port", 8000, int))
-    group.add_argument("--api-key", default=env("api_key"), help="require this Bearer token")
+    group.add_argument(
+        "--api-key",
+        default=env("api_key"),
+        help="require one of these Bearer tokens (comma-separated)",
+    )
     parser.set_defaults(func=run)
 
 

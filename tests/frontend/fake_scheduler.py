@@ -66,6 +66,7 @@ class FakeScheduler:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._main: list[asyncio.Task[None]] = []
         self.steps = 0
+        self.cached_tokens = 0  # what each output reports as prompt tokens found cached
 
     def start(self) -> None:
         """Start receiving and heartbeating."""
@@ -154,6 +155,7 @@ class FakeScheduler:
             num_prompt_tokens=len(request.prompt_token_ids),
             logprobs=logprobs,
             top_logprobs=top,
+            num_cached_tokens=self.cached_tokens,
         )
         stats = EngineStats(
             num_running=len(self._tasks),

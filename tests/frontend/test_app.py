@@ -34,6 +34,7 @@ async def test_completion_whole(server: Server) -> None:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 
@@ -181,3 +182,48 @@ async def test_api_key(server: Server) -> None:
     )
     assert ok.status == 200
     assert (await server.http.get(server.url + "/health")).status == 200
+
+
+async def test_usage_reports_the_cached_prompt_tokens(server: Server) -> None:
+    server.fake.cached_tokens = 16
+    whole = await (await server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 3})).json()
+    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    stream = await client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [chunk.usage async for chunk in stream if chunk.usage is not None]
+    assert usage[-1].prompt_tokens_details.cached_tokens == 16
+
+
+async def test_cache_salt_reaches_the_scheduler(server: Server) -> None:
+    body = {"prompt": "Hi", "max_tokens": 2}
+    assert (await server.post("/v1/completions", {**body, "cache_salt": "abc"})).status == 200
+    assert (await server.post("/v1/completions", body)).status == 200
+    assert [add.cache_salt for add in server.fake.adds] == ["abc", None]
+    refused = await server.post("/v1/completions", {**body, "cache_salt": ""})
+    assert refused.status == 400 and (await refused.json())["error"]["param"] == "cache_salt"
+
+
+@pytest.mark.frontend(api_key="key-one,key-two")
+async def test_each_api_key_is_a_tenant_of_its_own(server: Server) -> None:
+    body = {"prompt": "Hi", "max_tokens": 2}
+    salts = []
+    for key, salt in (("key-one", None), ("key-two", None), ("key-one", None), ("key-one", "x")):
+        headers = {"Authorization": f"Bearer {key}"}
+        extra = {} if salt is None else {"cache_salt": salt}
+        response = await server.http.post(
+            server.url + "/v1/completions", json={**body, **extra}, headers=headers
+        )
+        assert response.status == 200
+        salts.append(server.fake.adds[-1].cache_salt)
+    one, two, one_again, one_salted = salts
+    assert one == one_again != two and one_salted == f"{one}:x"
+    assert all("key" not in salt for salt in salts)  # the tenant id does not carry the key
+    bad = {"Authorization": "Bearer key-three"}
+    refused = await server.http.post(server.url + "/v1/completions", json=body, headers=bad)
+    assert refused.status == 401

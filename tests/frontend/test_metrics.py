@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from frontend.metrics import MIRRORED, Metrics
+from frontend.metrics import COUNTED, MIRRORED, Metrics
 from protocol.messages import EngineStats
 
-DERIVED = {"kv_blocks_total", "num_preemptions_total"}  # cache usage; the preemption counter
+DERIVED = {"kv_blocks_total"} | {field for _, _, field in COUNTED}  # cache usage; counters
 
 
 def test_every_engine_stat_is_mirrored_or_derived_once() -> None:
@@ -30,4 +30,14 @@ def test_observe_stats_sets_each_series_from_its_field() -> None:
         assert samples[name] == float(getattr(stats, field)), name
     used, total = stats.kv_blocks_used, stats.kv_blocks_total
     assert samples["nanoserve:kv_cache_usage_perc"] == used / total
-    assert samples["nanoserve:num_preemptions_total"] == stats.num_preemptions_total
+    for name, _, field in COUNTED:
+        assert samples[f"{name}_total"] == float(getattr(stats, field)), name
+
+
+def test_counters_never_fall_when_the_scheduler_restarts() -> None:
+    metrics = Metrics()
+    metrics.observe_stats(EngineStats(prefix_cache_queries=100, prefix_cache_hits=60))
+    metrics.observe_stats(EngineStats(prefix_cache_queries=30, prefix_cache_hits=10))  # restarted
+    text = metrics.render().decode()
+    assert "nanoserve:prefix_cache_queries_total 130.0" in text
+    assert "nanoserve:prefix_cache_hits_total 70.0" in text
