@@ -99,6 +99,7 @@ class Stream:
     status: int = 0
     done: bool = False
     finish_reason: str | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details, when asked for
 
 
 async def stream_completion(

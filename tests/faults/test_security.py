@@ -91,3 +91,33 @@ async def test_api_key_is_required_on_v1(server, tmp_path):
         guarded.stop()
     assert guarded.processes["frontend"].returncode == 0
     await assert_pool_empty(server)
+
+
+async def test_api_keys_never_share_cached_blocks(server, tmp_path):
+    """Two keys, one prompt: each key hits only the blocks its own requests computed."""
+    port = free_port()
+    env = {**server.env, "NANOSERVE_PORT": str(port), "NANOSERVE_API_KEY": "key-a,key-b"}
+    tenants = Server(port=port, run_id=server.run_id, log_dir=tmp_path, env=env)
+    tenants.start("frontend")
+    prompt = " ".join(f"isolation{i}" for i in range(60))  # well over a few 16-token blocks
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    try:
+        await asyncio.to_thread(tenants.wait_healthy, 60.0)
+        cached = []
+        async with aiohttp.ClientSession() as session:
+            for key in ("key-a", "key-b", "key-a", "key-b", None):
+                url, headers = tenants.url, {"Authorization": f"Bearer {key}"}
+                if key is None:  # the unsalted frontend: no tenant at all
+                    url, headers = server.url, {}
+                async with session.post(
+                    url + "/v1/completions", json=body, headers=headers
+                ) as response:
+                    assert response.status == 200
+                    usage = (await response.json())["usage"]
+                cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+        first_a, first_b, again_a, again_b, unsalted = cached
+        assert first_a == first_b == unsalted == 0, cached
+        assert again_a >= usage["prompt_tokens"] - 16 and again_b == again_a, cached
+    finally:
+        tenants.stop()
+    await assert_pool_empty(server)

@@ -6,6 +6,7 @@ with another cache geometry fails the requests it cannot carry over."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -159,3 +160,78 @@ async def test_a_worker_hung_mid_step_is_dropped_and_its_requests_recomputed(ser
     assert stream.done and not stream.errors and stream.text == undisturbed.text
     assert server.child_pid("worker") == pid
     await assert_pool_empty(server)
+
+
+SYSTEM = "You are a patient teacher who answers in plain words. " + " ".join(
+    f"Rule {i}: explain every step of the reasoning with one example." for i in range(12)
+)
+QUESTIONS = [
+    ["What is a prime number?", "Is 91 one of them?", "Which prime comes after it?"],
+    ["How do plants make food?", "What part of the leaf does it?", "Why are leaves green?"],
+    ["What is a verb?", "Give me three of them.", "Which one is irregular?"],
+]
+
+
+async def _chat_turn(session, server, messages, into: Stream) -> Stream:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0}
+    body |= {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    async with session.post(server.url + "/v1/chat/completions", json=body) as response:
+        into.status = response.status
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                into.done = into.done or line.strip() == b"data: [DONE]"
+                continue
+            event = json.loads(line[len(b"data: ") :])
+            if "error" in event:
+                into.errors.append(event)
+            elif event.get("usage"):
+                into.cached_tokens = event["usage"]["prompt_tokens_details"]["cached_tokens"]
+            elif event["choices"] and event["choices"][0]["delta"].get("content"):
+                into.text += event["choices"][0]["delta"]["content"]
+                into.times.append(time.monotonic())
+    return into
+
+
+async def _conversation(session, server, questions, turns: list[Stream]) -> None:
+    messages = [{"role": "system", "content": SYSTEM}]
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        stream = Stream()
+        turns.append(stream)
+        await _chat_turn(session, server, list(messages), stream)
+        messages.append({"role": "assistant", "content": stream.text})
+
+
+async def test_sigkilled_worker_mid_multi_turn_load_forgets_its_cache(server):
+    """Conversations resend their histories, so the second pass hits cached blocks from its
+    first turn on; the worker dies during the second turns. Every stream ends with the text of
+    the undisturbed pass, and the new worker is never asked to read K/V it did not compute (it
+    would refuse the step)."""
+    async with aiohttp.ClientSession() as session:
+        calm: list[list[Stream]] = [[] for _ in QUESTIONS]
+        await asyncio.gather(
+            *(_conversation(session, server, q, t) for q, t in zip(QUESTIONS, calm, strict=True))
+        )
+        mark = server.log_size("scheduler")
+        hits = (await asyncio.to_thread(server.metrics))["nanoserve:prefix_cache_hits_total"]
+        disturbed: list[list[Stream]] = [[] for _ in QUESTIONS]
+        tasks = [
+            asyncio.create_task(_conversation(session, server, q, t))
+            for q, t in zip(QUESTIONS, disturbed, strict=True)
+        ]
+        await wait_until(
+            lambda: all(len(t) >= 2 and len(t[1].times) >= 2 for t in disturbed),
+            timeout=120.0,
+            what="second turns streaming",
+        )
+        os.kill(server.child_pid("worker"), signal.SIGKILL)
+        await asyncio.to_thread(server.wait_log, "scheduler", r"worker lost", mark, 5.0)
+        await asyncio.wait_for(asyncio.gather(*tasks), 240.0)
+    for before, after in zip(calm, disturbed, strict=True):
+        assert [s.text for s in after] == [s.text for s in before]
+        assert all(s.done and not s.errors for s in after)
+    assert disturbed[0][0].cached_tokens > 0  # the first turn hit the first pass's blocks
+    scheduler_log = (server.log_dir / "scheduler.log").read_bytes()[mark:]
+    assert b"refused" not in scheduler_log, server.logs()
+    metrics = await assert_pool_empty(server)
+    assert metrics["nanoserve:prefix_cache_hits_total"] > hits
