@@ -4,6 +4,7 @@ a seeded tiny model through the real worker."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,21 @@ def test_generate_rejects_a_bad_line(tmp_path: Path, capsys: pytest.CaptureFixtu
     prompts.write_text('{"nothing": 1}\n')
     assert main(["generate", "--prompts-file", str(prompts)]) == 2
     assert "need one of prompt, messages, prompt_token_ids" in capsys.readouterr().err
+
+
+def test_soak_with_shared_prefixes_hits_keeps_the_text_and_catches_a_leak(
+    tiny: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shared = ["soak", "--model", tiny, "--requests", "12", "--shared-prefix-blocks", "2"]
+    reports = {}
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        assert main([*shared, flag]) == 0
+        reports[flag] = capsys.readouterr().out
+    hits = re.search(r"prefix cache hits\s+(\d+) of (\d+)", reports["--enable-prefix-caching"])
+    assert hits and int(hits[1]) > 0
+    assert "prefix cache hits   0 of" in reports["--no-enable-prefix-caching"]
+    digests = {re.search(r"text digest\s+(\w+)", out)[1] for out in reports.values()}
+    assert len(digests) == 1  # the same tokens with and without the cache
+    assert main([*shared, "--inject-leak", "3"]) == 1
+    err = capsys.readouterr().err
+    assert "is allocated but no request holds it" in err
