@@ -23,7 +23,7 @@ from frontend.metrics import Metrics
 from frontend.request_parser import RequestParser
 from frontend.schemas import ChatCompletionRequest, CompletionRequest
 from frontend.tokenizer import ChatTokenizer, load_tokenizer
-from nanoserve.model_files import resolve_model
+from protocol.model_files import resolve_model
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from nanoserve.model_files import ModelFiles
+from protocol.model_files import ModelFiles
 
 # GGUF token types (llama.cpp's LLAMA_TOKEN_TYPE_*): control and user-defined tokens are added
 # (special) tokens that BPE must never split.

@@ -91,7 +91,7 @@ def put_ninja_on_path() -> None:
 def _load() -> None:
     from torch.utils import cpp_extension
 
-    from worker.loader import cache_root
+    from protocol.model_files import cache_root
 
     put_ninja_on_path()
     # One directory per flag set: processes built both ways never overwrite each other's library.

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nanoserve.model_files import ModelFiles
+from protocol.model_files import ModelFiles, cache_root
 from worker.gguf_reader import Q4Tensor, check_gguf, read_gguf_tensors, read_q4_tensors
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -30,14 +30,6 @@ class Checkpoint:
     config: Any  # transformers.PretrainedConfig
     weights: dict[str, torch.Tensor]
     eos_token_ids: list[int]
-
-
-def cache_root() -> Path:
-    """$NANOSERVE_CACHE_DIR, else $XDG_CACHE_HOME/nanoserve, else ~/.cache/nanoserve."""
-    if os.environ.get("NANOSERVE_CACHE_DIR"):
-        return Path(os.environ["NANOSERVE_CACHE_DIR"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "nanoserve"
 
 
 def load_checkpoint(files: ModelFiles, dtype: torch.dtype, progress: bool = True) -> Checkpoint:

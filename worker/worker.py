@@ -36,7 +36,7 @@ class Worker:
     """Loads the model and sizes the cache from a ``WorkerConfig``; then ``execute`` steps."""
 
     def __init__(self, config: WorkerConfig, progress: bool = True) -> None:
-        from nanoserve.model_files import resolve_model
+        from protocol.model_files import resolve_model
         from worker.loader import load_checkpoint
 
         bound_onednn_cache()

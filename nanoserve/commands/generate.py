@@ -76,24 +76,18 @@ def tokenize(line: dict, tokenizer) -> list[int]:
     if tokenizer is None:
         raise ValueError("this model has no tokenizer: give prompt_token_ids")
     if "prompt" in line:
-        return tokenizer(line["prompt"])["input_ids"]
-    ids = tokenizer.apply_chat_template(
-        line["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return tokenizer.encode(line["prompt"])
+    return tokenizer.apply_chat_template(line["messages"])
 
 
 def load_tokenizer(model: str | None):
-    """The model's tokenizer, or None for a checkpoint that has none."""
-    from transformers import AutoTokenizer
+    """The frontend's tokenizer for the model (what the server would use), or None for a
+    checkpoint that has none."""
+    from frontend.tokenizer import load_tokenizer as load
+    from protocol.model_files import resolve_model
 
-    from nanoserve.model_files import resolve_model
-
-    files = resolve_model(model)
     try:
-        if files.gguf_file:
-            return AutoTokenizer.from_pretrained(files.directory, gguf_file=files.gguf_file)
-        return AutoTokenizer.from_pretrained(files.directory)
+        return load(resolve_model(model))
     except (OSError, ValueError):
         return None
 
@@ -133,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine.for_worker(make_worker(args), config)
     for out in engine.generate(prompts, params):
         ids = out.new_token_ids
-        text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else None
+        text = tokenizer.tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else None
         print(
             json.dumps({"token_ids": ids, "text": text, "finish_reason": out.finish_reason}),
             flush=True,

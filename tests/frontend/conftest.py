@@ -20,9 +20,9 @@ from frontend.app import CLIENT, create_app
 from frontend.client import SchedulerClient
 from frontend.config import FrontendConfig
 from frontend.tokenizer import ChatTokenizer, load_tokenizer
-from nanoserve.model_files import resolve_model
 from protocol.addresses import Addresses, runtime_dir
 from protocol.messages import AddRequest
+from protocol.model_files import resolve_model
 from tests.frontend.fake_scheduler import FakeScheduler
 
 REPLY = "Hello! 你好，世界 🎉 The answer is 42. Done here."

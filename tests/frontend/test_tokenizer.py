@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from frontend.tokenizer import ChatTokenizer
-from nanoserve.model_files import resolve_model
+from protocol.model_files import resolve_model
 
 TEXTS = [
     "Hello world 123",

@@ -34,7 +34,7 @@ def prompts() -> list[list[int]]:
     from nanoserve.commands.generate import load_tokenizer
 
     tokenizer = load_tokenizer(None)
-    return [tokenizer(t)["input_ids"] for t in TEXTS]
+    return [tokenizer.encode(t) for t in TEXTS]
 
 
 def _run(

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import make_worker
 
-from nanoserve.model_files import ModelFiles
+from protocol.model_files import ModelFiles
 from worker.config import WorkerConfig
 from worker.loader import load_checkpoint
 

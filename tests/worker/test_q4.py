@@ -124,7 +124,7 @@ def test_q8_linear_feeds_both_halves_on_single_rows_only():
 def test_real_q4_rows_are_the_gguf_rows_in_hugging_face_order():
     from gguf import GGUFReader, dequantize
 
-    from nanoserve.model_files import resolve_model
+    from protocol.model_files import resolve_model
 
     path = resolve_model(None).source
     tensors = read_q4_tensors(path, "llama", n_heads=9, n_kv_heads=3)

@@ -40,7 +40,7 @@ Q4_TOL = 3.0  # 4-bit decode steps vs float32, max |logit difference| (2.43 seen
 
 @pytest.fixture(scope="session")
 def real_files():
-    from nanoserve.model_files import resolve_model
+    from protocol.model_files import resolve_model
 
     return resolve_model(None)
 

