@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from protocol.blocks import blocks_for
 from protocol.messages import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.sim_worker import SimWorker
@@ -56,7 +57,7 @@ def sweep_watermarks(
     """Run one seeded workload through each reserve size (audited) and count what changed."""
     prompts = make_prompts(num_requests, prompt_len, vocab_size=1000, seed=seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    roomy_blocks = num_requests * -(-(prompt_len + max_tokens) // block_size)
+    roomy_blocks = num_requests * blocks_for(prompt_len + max_tokens, block_size)
     baseline = soak(
         SimWorker(roomy_blocks, block_size, num_requests),
         SchedulerConfig(token_budget=num_requests * (prompt_len + max_tokens), watermark_blocks=0),

@@ -19,12 +19,8 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
+from protocol.blocks import blocks_for
 from scheduler.errors import BlockLedgerError, OutOfBlocks
-
-
-def ceil_div(a: int, b: int) -> int:
-    """The smallest integer >= a / b, for positive b."""
-    return -(-a // b)
 
 
 class BlockAllocator:
@@ -52,7 +48,7 @@ class BlockAllocator:
         """How many blocks hold ``num_tokens`` tokens."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        return ceil_div(num_tokens, self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     @property
     def num_free(self) -> int:

@@ -13,6 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from protocol.blocks import blocks_for
 from protocol.messages import SamplingParams, StepInput, StepItem
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -47,7 +48,7 @@ def bench_forward(
     from worker.worker import Worker
 
     largest, block_size = max(batch_sizes), 16
-    blocks_per_row = -(-(context + 2 * decode_steps + 2) // block_size)
+    blocks_per_row = blocks_for(context + 2 * decode_steps + 2, block_size)
     rows = []
     for dtype in dtypes:
         config = WorkerConfig(

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from protocol.blocks import blocks_for
+
 
 class KVCache:
     """The K/V pool: (num_layers, 2, n_kv_heads, num_blocks + 1, block_size, head_dim)."""
@@ -87,7 +89,7 @@ class KVCache:
         """How many blocks fit in ``budget`` bytes; ValueError if not even one request of
         ``max_model_len`` tokens fits."""
         num_blocks = budget // bytes_per_block
-        needed = -(-max_model_len // block_size)
+        needed = blocks_for(max_model_len, block_size)
         if num_blocks < needed:
             raise ValueError(
                 f"KV cache budget of {budget} bytes holds {num_blocks} blocks, but one request of "

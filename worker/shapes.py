@@ -10,6 +10,8 @@ work is small: buckets are fine where sizes are small, and coarse only where a s
 
 from __future__ import annotations
 
+from protocol.blocks import ceil_div
+
 
 def padded_count(n: int) -> int:
     """Token counts and batch sizes: exact to 4, then multiples of 4 to 64, of 16 to 256, of
@@ -33,4 +35,4 @@ def padded_length(n: int) -> int:
 
 
 def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+    return ceil_div(n, multiple) * multiple

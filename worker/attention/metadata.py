@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from protocol.blocks import blocks_for
 from worker.shapes import padded_count, padded_length
 
 
@@ -134,7 +135,7 @@ def _padded_decodes(decodes, offset: int, num_tokens: int, mixed: bool):
 def _prefill_span(table, start, n, offset, block_size, device) -> PrefillSpan:
     if start == 0:
         return PrefillSpan(offset, offset + n, 0, None, None)
-    used = -(-(start + n) // block_size)
+    used = blocks_for(start + n, block_size)
     blocks = torch.tensor(table[:used], dtype=torch.long, device=device)
     queries = torch.arange(start, start + n)[:, None]  # (n, 1) absolute positions
     mask = (torch.arange(used * block_size)[None, :] <= queries).to(device)  # (n, M * bs)
@@ -145,10 +146,10 @@ def _decode_tables(decodes, block_size: int, bucketed: bool):
     """Padded block ids (B, M) and cached counts (B,) of ``(offset, table, cached)`` decodes."""
     if not decodes:
         return torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-    used = [-(-(cached + 1) // block_size) for _, _, cached in decodes]  # blocks incl. the new
+    used = [blocks_for(cached + 1, block_size) for _, _, cached in decodes]  # incl. the new
     longest = max(used)
     if bucketed:
-        longest = -(-padded_length(longest * block_size) // block_size)
+        longest = blocks_for(padded_length(longest * block_size), block_size)
     # Padding repeats the row's first block: any block in a table has been zeroed or written,
     # so it holds finite numbers (a NaN would survive its zero attention weight).
     tables = [table for _, table, _ in decodes]
