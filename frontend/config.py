@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from frontend.auth import parse_api_keys
 from protocol.addresses import Addresses, default_addresses
-from protocol.messages import MAX_LOGPROBS
+from protocol.params import MAX_LOGPROBS
 
 
 def _default_addresses() -> Addresses:

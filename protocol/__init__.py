@@ -1,4 +1,6 @@
-"""Messages and socket plumbing shared by the frontend, scheduler and worker processes.
+"""What the frontend, scheduler and worker processes share: the messages and their socket
+plumbing, the sampling parameters and their checks, how tokens fill KV blocks, and where the
+model's files and nanoserve's cache live.
 
 Nothing in this package imports torch: every process, the API front end included, can load it.
 """

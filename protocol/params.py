@@ -1,21 +1,62 @@
-"""check_params: the one place a request's SamplingParams are checked.
+"""SamplingParams, and check_params: the one place a request's parameters are checked.
 
-The frontend checks every request with it before sending one, and the scheduler checks every
-AddRequest with it before queuing one, so a raw peer meets the same rules as an HTTP client.
 SamplingParams' fields carry the fixed ranges (msgspec ``Meta``); ``RequestLimits`` holds what
-a deployment sets: its vocabulary, and at most how many logprobs and stop ids it serves.
+a deployment sets: its vocabulary, and at most how many logprobs and stop ids it serves. The
+frontend checks every request with ``check_params`` before sending one, and the scheduler checks
+every AddRequest with it before queuing one, so a raw peer meets the same rules as an HTTP
+client.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
 
-from protocol.messages import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for at each token
+MAX_STOP_TOKEN_IDS = 1024  # the most stop token ids one request may give
+MAX_LOGIT_BIAS = 1024  # the most tokens one request's logit_bias may bias
+
+_FLOAT_MAX = sys.float_info.max  # as an upper bound it rejects only infinity (and, like any, NaN)
+
+TokenId = Annotated[int, Meta(ge=0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+
+
+class SamplingParams(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
+    """How one request chooses its tokens, and when it stops.
+
+    ``temperature == 0`` means greedy. ``top_k is None`` and ``top_p == 1`` and ``min_p == 0``
+    switch those filters off. ``logprobs is None`` returns no logprobs; ``0`` returns the
+    sampled token's logprob only; ``N`` adds the top N alternatives.
+    ``seed is None`` draws from the worker's own seeded generator.
+
+    Each field carries its range (every float finite): a decoder enforces them, so a message
+    that breaks one never decodes; ``__init__`` does not, and ``protocol.params.check_params``
+    checks any instance against them and against a deployment's limits.
+    """
+
+    max_tokens: Annotated[int, Meta(ge=1)] = 16
+    temperature: Annotated[float, Meta(ge=0.0, le=_FLOAT_MAX)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=_FLOAT_MAX)] = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: Annotated[dict[TokenId, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,14 @@ import math
 import msgspec
 import pytest
 
-from protocol.messages import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
-from protocol.params import ParamError, RequestLimits, check_params
+from protocol.params import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    ParamError,
+    RequestLimits,
+    SamplingParams,
+    check_params,
+)
 
 LIMITS = RequestLimits(vocab_size=100)
 OUT_OF_RANGE = [
