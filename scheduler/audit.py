@@ -1,4 +1,4 @@
-"""The engine's invariants written down as code, checked between iterations (design note 000).
+"""The engine's invariants written down as code, checked between iterations.
 
 Observation point: these checks hold for a settled engine, after a step's results are applied
 and before the next schedule(). Exactly two carry slack, both for work really in flight:
@@ -6,16 +6,13 @@ and before the next schedule(). Exactly two carry slack, both for work really in
 1. a running request's blocks must cover ``num_tokens - 1``: between a sample and the next
    schedule it holds one token (the sampled one) more than its blocks need to cache;
 2. a cache row may be one block behind its request: the scheduler grows a request at the top
-   of an iteration and the row learns of the new block with the step that writes into it.
+   of an iteration and the row learns of the new block with the step that writes into it
+   (``scheduler.audit_rows``).
 
-Released slots are not a third slack. A slot freed by a finish or an abort reaches the worker
-with the NEXT StepInput (``released_slots``), so between iterations its row may still show the
-last tenant. ``audit_rows`` audits the rows as they will be once those pending releases apply,
-and checks the pending list itself: every pending slot must be free in the slot ledger, and the
-stale tenant must be gone from the scheduler with none of its row's blocks held by anyone. A
-slot that is free but not pending must have an empty row, with no tolerance at all.
-
-The pool ledger has no slack, which is why it is the check that finds things.
+The pool ledger has no slack, which is why it is the check that finds things. With prefix
+caching it says "reference count equals the number of holders" and the three block states
+(held, cached-free, uncached-free) partition the pool; ``audit_cache`` checks the index against
+the pool and the holders both ways.
 
 Overlap adds no slack either. The ledgers advance when a step is planned, so with a step in
 flight they describe the state after it; the worker's rows (reported after the last applied
@@ -29,14 +26,11 @@ from collections import Counter
 from collections.abc import Mapping
 from itertools import compress, filterfalse
 
-from protocol.messages import RowSummary, StepInput
+from protocol.messages import RowSummary
+from scheduler.audit_rows import audit_rows, project_rows
+from scheduler.errors import InvariantViolation
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
-
-
-class InvariantViolation(RuntimeError):
-    """A ledger disagrees with itself or with the worker's rows. The message names the block,
-    slot or request and what is wrong."""
 
 
 def audit_all(scheduler: Scheduler, rows: list[RowSummary] | None = None) -> None:
@@ -47,28 +41,6 @@ def audit_all(scheduler: Scheduler, rows: list[RowSummary] | None = None) -> Non
     audit_requests(scheduler)
     if rows is not None:
         audit_rows(scheduler, rows)
-
-
-def project_rows(rows: list[RowSummary], steps: list[StepInput]) -> list[RowSummary]:
-    """The rows as they will be after ``steps`` run, in order, under the row contract: released
-    slots empty first, then each item begins (fresh) or extends its slot's row."""
-    by_slot = {row.slot: row for row in rows}
-    for step in steps:
-        for slot in step.released_slots:
-            by_slot[slot] = RowSummary(slot=slot, request_id=None, block_ids=[], num_cached=0)
-        for item in step.items:
-            row = by_slot.get(item.slot)
-            if item.fresh or row is None:
-                blocks, cached = [], 0
-            else:
-                blocks, cached = row.block_ids, row.num_cached
-            by_slot[item.slot] = RowSummary(
-                slot=item.slot,
-                request_id=item.request_id,
-                block_ids=[*blocks, *item.new_blocks],
-                num_cached=(item.start if item.fresh else cached) + len(item.token_ids),
-            )
-    return [by_slot[slot] for slot in sorted(by_slot)]
 
 
 def _known(scheduler: Scheduler) -> list[Request]:
@@ -316,70 +288,13 @@ def _check_order(scheduler: Scheduler) -> None:
         raise InvariantViolation(f"request {extra[0]} is not in exactly one queue and the index")
 
 
-def audit_rows(scheduler: Scheduler, rows: list[RowSummary]) -> None:
-    """The worker's cache rows agree with the slot ledger: a free slot's row is empty (once any
-    pending release applies), a held row's blocks are a prefix of its tenant's blocks at most
-    one block behind (slack 2), and its K/V count is exactly what the tenant has computed."""
-    by_slot: dict[int, RowSummary] = {}
-    for row in rows:
-        if row.slot in by_slot:
-            raise InvariantViolation(f"slot {row.slot} has two rows")
-        by_slot[row.slot] = row
-    missing = set(range(scheduler.num_slots)) - by_slot.keys()
-    if missing:
-        raise InvariantViolation(f"slot {min(missing)} has no row in the worker's summary")
-    owners = {r.slot: r for r in scheduler.running}
-    pending = set(scheduler.pending_releases)
-    for slot, row in sorted(by_slot.items()):
-        if slot in pending:
-            _check_stale_row(scheduler, row)
-        elif slot in owners:
-            _check_held_row(scheduler, row, owners[slot])
-        elif row.request_id is not None or row.block_ids or row.num_cached:
-            raise InvariantViolation(
-                f"slot {slot} is free but its row holds request {row.request_id} "
-                f"({len(row.block_ids)} blocks, {row.num_cached} tokens)"
-            )
-
-
-def _check_stale_row(scheduler: Scheduler, row: RowSummary) -> None:
-    if row.request_id is not None and scheduler.get(row.request_id) is not None:
-        raise InvariantViolation(
-            f"slot {row.slot} awaits release but its row's tenant {row.request_id} is still known"
-        )
-    held = {b: r.request_id for r in scheduler.running for b in r.block_ids}
-    cached = scheduler.allocator.cached_blocks
-    for block in row.block_ids:
-        if block in held and block not in cached:  # a cached block may be shared, read-only
-            raise InvariantViolation(
-                f"slot {row.slot} awaits release but its row's block {block} is held by "
-                f"request {held[block]}"
-            )
-
-
-def _check_held_row(scheduler: Scheduler, row: RowSummary, owner: Request) -> None:
-    name, slot = owner.request_id, row.slot
-    if row.request_id != name:
-        raise InvariantViolation(
-            f"slot {slot} belongs to {name} but its row holds {row.request_id}"
-        )
-    blocks = owner.block_ids
-    if row.block_ids != blocks[: len(row.block_ids)]:
-        raise InvariantViolation(
-            f"row of slot {slot} addresses blocks {row.block_ids}, not a prefix of request "
-            f"{name}'s blocks {blocks}"
-        )
-    if len(row.block_ids) < len(blocks) - 1:
-        raise InvariantViolation(
-            f"row of slot {slot} has {len(row.block_ids)} blocks, more than one behind request "
-            f"{name}'s {len(blocks)}"
-        )
-    if row.num_cached != owner.num_computed:
-        raise InvariantViolation(
-            f"row of slot {slot} holds K/V for {row.num_cached} tokens but request {name} has "
-            f"computed {owner.num_computed}"
-        )
-    if row.num_cached > len(row.block_ids) * scheduler.allocator.block_size:
-        raise InvariantViolation(
-            f"row of slot {slot} holds {row.num_cached} tokens in only {len(row.block_ids)} blocks"
-        )
+__all__ = [
+    "InvariantViolation",
+    "audit_all",
+    "audit_cache",
+    "audit_pool",
+    "audit_requests",
+    "audit_rows",
+    "audit_slots",
+    "project_rows",
+]

@@ -24,15 +24,15 @@ from protocol.messages import (
     RowSummary,
     SamplingParams,
     StepInput,
-    StepItem,
     StepResult,
     WorkerReady,
 )
 from scheduler.audit import audit_all, project_rows
+from scheduler.batch import Batch, request_output, step_item
 from scheduler.block_allocator import BlockAllocator
 from scheduler.config import SchedulerConfig
 from scheduler.errors import LivelockError
-from scheduler.scheduler import Batch, ScheduledChunk, Scheduler
+from scheduler.scheduler import Scheduler
 
 
 class WorkerLike(Protocol):
@@ -144,7 +144,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.chunks and not batch.released_slots:
             return None
-        items = [self._item(chunk) for chunk in batch.chunks]
+        items = [step_item(chunk) for chunk in batch.chunks]
         step = StepInput(
             step_id=self._next_step_id,
             items=items,
@@ -154,23 +154,6 @@ class Engine:
         self._in_flight.append((batch, step))
         self._next_step_id += 1
         return step
-
-    @staticmethod
-    def _item(chunk: ScheduledChunk) -> StepItem:
-        request = chunk.request
-        fresh = chunk.fresh
-        return StepItem(
-            request_id=request.request_id,
-            slot=request.slot,
-            new_blocks=chunk.new_blocks,
-            token_ids=request.token_slice(chunk.start, chunk.start + chunk.num_tokens),
-            start=chunk.start,
-            sample=chunk.sample,
-            params=request.params if fresh else None,
-            prompt_len=request.num_prompt_tokens if fresh else 0,
-            fresh=fresh,
-            cached_token_ids=request.token_slice(0, chunk.start) if fresh else [],
-        )
 
     def apply(self, result: StepResult) -> list[RequestOutput]:
         """Fold the oldest step's samples into the requests; finish and free the ones that
@@ -192,22 +175,8 @@ class Engine:
             reason = self.scheduler.on_sampled(request, sample.token_id)
             if reason is not None:
                 self.scheduler.finish(request, reason)
-            outputs.append(self._output(request, sample, reason))
+            outputs.append(request_output(request, sample, reason))
         return outputs
-
-    @staticmethod
-    def _output(request, sample, reason: str | None) -> RequestOutput:
-        logprobs = None if request.params.logprobs is None else [sample.logprob or 0.0]
-        tops = None if not request.params.logprobs else [sample.top_logprobs or []]
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=[sample.token_id],
-            finish_reason=reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            logprobs=logprobs,
-            top_logprobs=tops,
-            num_cached_tokens=request.num_cached_tokens or 0,
-        )
 
     def step(self) -> list[RequestOutput]:
         """Plan up to ``depth`` steps ahead, run the oldest on the in-process worker, apply it,
@@ -290,8 +259,8 @@ class Engine:
             worker_ready=True,
             worker_busy_s_total=self._busy_s,
             steps_in_flight=len(self._in_flight),
-            prefix_cache_queries=s.prefix_queries,
-            prefix_cache_hits=s.prefix_hits,
+            prefix_cache_queries=s.cache.queries,
+            prefix_cache_hits=s.cache.hits,
         )
 
 

@@ -1,4 +1,4 @@
-"""The scheduler's typed errors (the auditor's InvariantViolation lives in audit.py)."""
+"""The scheduler's typed errors."""
 
 from __future__ import annotations
 
@@ -17,3 +17,8 @@ class RequestRejected(ValueError):
 
 class LivelockError(RuntimeError):
     """Work is queued but no iteration can ever make progress again."""
+
+
+class InvariantViolation(RuntimeError):
+    """A ledger disagrees with itself or with the worker's rows. The message names the block,
+    slot or request and what is wrong."""

@@ -107,3 +107,25 @@ class Request:
                 parent = block_hash(parent, self.token_slice(begin, begin + block_size))
                 hashes.append(parent)
         return hashes
+
+    def finish_is_certain(self, max_model_len: int) -> bool:
+        """True when a pending token will end the request by length whatever it is."""
+        return self.num_pending > 0 and (
+            self.num_generated >= self.params.max_tokens or self.num_tokens >= max_model_len
+        )
+
+    def stop_reason(
+        self, token_id: int, eos_token_ids: frozenset[int], max_model_len: int
+    ) -> str | None:
+        """Why the request ends with ``token_id``, its newest known token: "stop", "length",
+        or None while it goes on."""
+        params = self.params
+        generated = len(self.output_token_ids)
+        if generated >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return "stop"
+            if token_id in eos_token_ids and not params.ignore_eos:
+                return "stop"
+        if generated >= params.max_tokens or self.num_known_tokens >= max_model_len:
+            return "length"
+        return None

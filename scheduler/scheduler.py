@@ -8,59 +8,32 @@ One iteration (``schedule()``) runs in labelled phases, top to bottom:
    tokens, and goes back to the head of the waiting queue. The oldest is never preempted.
 2. admit: requests are admitted from the head of the waiting queue while a slot, the blocks
    for all their known tokens (plus the watermark reserve) and the token budget allow. A prompt
-   longer than the budget left is prefilled in chunks over several iterations.
-
-Prefix caching: a request is admitted with the longest run of its full blocks that the index
-holds (a hit takes a reference on each), and starts computing after them; at least one token
-is always computed, for the logits. Only the blocks a hit does not cover (plus the cached-free
-ones it takes out of the free pool) count against the pool and the watermark, and only the
-tokens after them against the budget. A full block is offered to the index once its K/V is
-planned by an earlier step (the worker runs steps in order, so a later one reads it) and all
-its tokens are known (with overlap, a block's last token may still be pending). When the
-worker's rows are lost, the index goes with them: no request may hit K/V that the next worker
-never computed.
+   longer than the budget left is prefilled in chunks over several iterations. A request starts
+   after the longest run of its full blocks that the prefix cache holds (``PrefixCache``); only
+   what those hits do not cover counts against the pool, the watermark and the budget.
+3. offer: the full blocks this step fills join the prefix cache's index (after admission, so no
+   hit reads K/V the step itself computes).
 
 Running requests arrived before every waiting one, so the queue stays in arrival order even
 though preemption pushes to its head (the auditor checks both claims every iteration).
 
-Overlap: scheduling a chunk advances the request at once (``num_computed``, and a pending token
-when it samples), so the next ``schedule()`` may run before the step's result is back. A request
-whose pending tokens already reach ``max_tokens`` or ``max_model_len`` is not grown: its finish
-is certain. One that stops on EOS or a stop token is known only when its sample arrives; it has
-meanwhile run one surplus step, whose token is dropped (``on_sampled`` is never called for it).
+Overlap: scheduling a chunk advances the request at once (``num_computed``, a pending token when
+it samples), so ``schedule()`` may run again before the result is back. A request whose pending
+tokens reach ``max_tokens`` or ``max_model_len`` is not grown (its finish is certain); one that
+stops on EOS or a stop token runs one surplus step, whose token is dropped.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
 
 from protocol.messages import SamplingParams
+from scheduler.batch import Batch, ScheduledChunk
 from scheduler.block_allocator import BlockAllocator
 from scheduler.errors import RequestRejected
+from scheduler.prefix_cache import PrefixCache
 from scheduler.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledChunk:
-    """One request's work in one iteration: ``num_tokens`` tokens from position ``start``."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    sample: bool
-    new_blocks: list[int]  # appended to the worker's row (the whole table when fresh)
-    epoch: int = 0  # the request's epoch when scheduled: a preemption since makes it stale
-    fresh: bool = False  # begins the request's row; positions below start are cache hits
-
-
-@dataclass
-class Batch:
-    """What ``schedule()`` decided: the chunks to compute and the slots to empty first."""
-
-    chunks: list[ScheduledChunk]
-    released_slots: list[int]
 
 
 class Scheduler:
@@ -77,9 +50,7 @@ class Scheduler:
         prefix_caching: bool = True,
     ) -> None:
         if num_slots < 1 or token_budget < 1:
-            raise ValueError(
-                f"need num_slots >= 1 and token_budget >= 1, got {num_slots}, {token_budget}"
-            )
+            raise ValueError(f"need num_slots, token_budget >= 1: {num_slots}, {token_budget}")
         if watermark_blocks is None:
             watermark_blocks = int(0.01 * allocator.num_blocks)
         if not 0 <= watermark_blocks <= allocator.num_blocks:
@@ -92,7 +63,7 @@ class Scheduler:
         self.watermark_blocks = watermark_blocks
         self.max_model_len = max_model_len or allocator.num_blocks * allocator.block_size + 1
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.prefix_caching = prefix_caching
+        self.cache = PrefixCache(allocator, prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
@@ -103,8 +74,6 @@ class Scheduler:
         self.thrashed_admissions = 0
         self.tokens_scheduled = 0
         self.tokens_recomputed = 0
-        self.prefix_queries = 0  # tokens of admitted requests, every admission counted
-        self.prefix_hits = 0  # of those, tokens found in the prefix cache
 
     # -- the ledgers, as the auditor reads them -----------------------------------------------
     @property
@@ -197,10 +166,9 @@ class Scheduler:
         budget = self._grow(chunks, self.token_budget)
         # Phase 2: admit from the head of the waiting queue.
         self._admit(chunks, budget)
-        # Phase 3: offer the index the blocks this step fills. Not before admission: a hit must
-        # never read K/V that the same step computes (a compiled step writes after its graph).
+        # Phase 3: offer the index the blocks this step fills, after admission (PrefixCache).
         for chunk in chunks:
-            self._cache_full_blocks(chunk.request)
+            self.cache.offer(chunk.request)
         released, self._pending_releases = self._pending_releases, []
         return Batch(chunks, released)
 
@@ -210,7 +178,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted a moment ago to make room for an older request
-            if self._finish_is_certain(request):
+            if request.finish_is_certain(self.max_model_len):
                 continue  # its in-flight sample ends it by length: no surplus step
             n = min(request.num_tokens - request.num_computed, budget)
             if self._reserve_blocks(request, request.num_computed + n):
@@ -246,11 +214,10 @@ class Scheduler:
         self.waiting.appendleft(victim)
 
     def preempt_all(self) -> None:
-        """The worker's rows are gone (it died, or refused a step): every running request goes
-        back to waiting with its tokens, oldest at the head, and the prefix cache is emptied
-        (the K/V it named was computed by steps that are lost, or by a worker that is gone).
-        Every slot is released with the next step: a refused step may be followed by one
-        already in flight that the worker accepts, so no row can be assumed empty."""
+        """The worker's rows are gone (it died, or refused a step): running requests wait again
+        with their tokens, oldest at the head; the prefix cache empties (its K/V came from lost
+        steps or a gone worker); every slot is released with the next step (a step in flight
+        behind a refused one may be accepted, so no row can be assumed empty)."""
         while self.running:
             self._preempt(self.running[-1])
         self.allocator.clear_cache()
@@ -259,12 +226,12 @@ class Scheduler:
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
         while self.waiting and self._free_slots and budget > 0:
             request = self.waiting[0]
-            hits = self._cache_hits(request)
+            hits = self.cache.lookup(request)
             need = self.allocator.blocks_for_length(request.num_tokens)
             # The watermark may delay a request, never exclude one: a request that could never
             # fit beside the reserve is admitted without it, so an empty pool always takes it.
             reserve = self.watermark_blocks if need <= self.admissible_blocks else 0
-            if self._free_blocks_taken(need, hits) + reserve > self.allocator.num_free:
+            if self.cache.free_blocks_taken(need, hits) + reserve > self.allocator.num_free:
                 return
             self.waiting.popleft()
             self._start(request, hits, need)
@@ -272,32 +239,13 @@ class Scheduler:
             chunks.append(self._chunk(request, n))
             budget -= n
 
-    def _cache_hits(self, request: Request) -> list[int]:
-        """The cached blocks of ``request``'s longest cached prefix, leaving at least one token
-        to compute."""
-        if not self.prefix_caching:
-            return []
-        usable = (request.num_tokens - 1) // self.allocator.block_size
-        hashes = request.hash_blocks(usable, self.allocator.block_size)
-        return self.allocator.lookup(hashes[:usable])
-
-    def _free_blocks_taken(self, need: int, hits: list[int]) -> int:
-        """Free blocks an admission of ``need`` blocks with these hits consumes: the new ones,
-        and the hits that are cached-free."""
-        return need - len(hits) + sum(1 for block in hits if self.allocator.ref_count(block) == 0)
-
     def _start(self, request: Request, hits: list[int], need: int) -> None:
         """Admit the waiting head: a slot, its hits shared, the rest of its blocks new."""
         request.status = RequestStatus.RUNNING
         request.slot = heapq.heappop(self._free_slots)
         request.block_ids = self.allocator.take(hits) + self.allocator.allocate(need - len(hits))
         request.admission_blocks = need
-        request.num_blocks_cached = len(hits)
-        request.num_computed = len(hits) * self.allocator.block_size
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = request.num_computed
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += request.num_computed
+        self.cache.admitted(request, hits)
         self.running.append(request)
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
@@ -315,26 +263,6 @@ class Scheduler:
             request.num_pending += 1
         return ScheduledChunk(request, start, n, sample, new_blocks, request.epoch, fresh)
 
-    def _cache_full_blocks(self, request: Request) -> None:
-        """Offer the index every full block whose K/V is planned and whose tokens are known."""
-        if not self.prefix_caching:
-            return
-        size = self.allocator.block_size
-        full = min(request.num_computed, request.num_known_tokens) // size
-        if full <= request.num_blocks_cached:
-            return
-        hashes = request.hash_blocks(full, size)
-        for index in range(request.num_blocks_cached, full):
-            self.allocator.cache(request.block_ids[index], hashes[index])
-        request.num_blocks_cached = full
-
-    def _finish_is_certain(self, request: Request) -> bool:
-        """True when a pending token will end ``request`` by length whatever it is."""
-        return request.num_pending > 0 and (
-            request.num_generated >= request.params.max_tokens
-            or request.num_tokens >= self.max_model_len
-        )
-
     # -- results ----------------------------------------------------------------------------------
     def is_current(self, chunk: ScheduledChunk) -> bool:
         """True if ``chunk``'s request still runs as it was when the chunk was scheduled (not
@@ -349,20 +277,8 @@ class Scheduler:
             raise RuntimeError(f"request {request.request_id} has no pending token")
         request.num_pending -= 1
         request.output_token_ids.append(token_id)
-        self._cache_full_blocks(request)
-        return self._stop_reason(request, token_id)
-
-    def _stop_reason(self, request: Request, token_id: int) -> str | None:
-        params = request.params
-        generated = len(request.output_token_ids)
-        if generated >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                return "stop"
-            if token_id in self.eos_token_ids and not params.ignore_eos:
-                return "stop"
-        if generated >= params.max_tokens or request.num_known_tokens >= self.max_model_len:
-            return "length"
-        return None
+        self.cache.offer(request)
+        return request.stop_reason(token_id, self.eos_token_ids, self.max_model_len)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _give_back(self, request: Request) -> None:

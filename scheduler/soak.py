@@ -127,8 +127,8 @@ def soak(
         recompute_share=sched.tokens_recomputed / max(1, sched.tokens_scheduled),
         thrashed_admissions=sched.thrashed_admissions,
         outputs=[list(r.output_token_ids) for r in requests.values()],
-        prefix_queries=sched.prefix_queries,
-        prefix_hits=sched.prefix_hits,
+        prefix_queries=sched.cache.queries,
+        prefix_hits=sched.cache.hits,
     )
 
 

@@ -120,7 +120,7 @@ def test_a_repeated_prompt_computes_only_what_is_not_cached() -> None:
     assert first[0].num_cached_tokens == 0 and second[0].num_cached_tokens == 12
     # The second prompt computed its last 2 tokens, then the same 4 decodes as the first.
     assert engine.scheduler.tokens_scheduled - scheduled == 2 + 4
-    assert engine.scheduler.prefix_hits == 12 and engine.scheduler.prefix_queries == 28
+    assert engine.scheduler.cache.hits == 12 and engine.scheduler.cache.queries == 28
     assert_all_back(engine)
 
 

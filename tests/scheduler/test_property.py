@@ -195,7 +195,7 @@ def test_shared_prefixes_terminate_with_everything_back(
     else:
         raise AssertionError("did not terminate in 5000 iterations")
     assert_all_back(engine)
-    event(f"hits: {engine.scheduler.prefix_hits > 0}")
+    event(f"hits: {engine.scheduler.cache.hits > 0}")
 
 
 @settings(

@@ -1,4 +1,5 @@
-"""soak and the leak experiment of design note 000; the watermark sweep of note 001."""
+"""The soak and its leak experiment (an audited run under pressure names the one lost block that
+the output never shows), and the watermark sweep."""
 
 from __future__ import annotations
 

@@ -1,0 +1,64 @@
+"""What one ``Scheduler.schedule()`` decides (a chunk of work per request, and the slots to empty
+first), and the messages made from it: a StepItem per chunk for the worker, a RequestOutput per
+applied sample for the frontends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.messages import RequestOutput, Sample, StepItem
+from scheduler.request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's work in one iteration: ``num_tokens`` tokens from position ``start``."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    sample: bool
+    new_blocks: list[int]  # appended to the worker's row (the whole table when fresh)
+    epoch: int = 0  # the request's epoch when scheduled: a preemption since makes it stale
+    fresh: bool = False  # begins the request's row; positions below start are cache hits
+
+
+@dataclass
+class Batch:
+    """What ``schedule()`` decided: the chunks to compute and the slots to empty first."""
+
+    chunks: list[ScheduledChunk]
+    released_slots: list[int]
+
+
+def step_item(chunk: ScheduledChunk) -> StepItem:
+    """The StepItem that tells the worker to compute ``chunk``."""
+    request = chunk.request
+    fresh = chunk.fresh
+    return StepItem(
+        request_id=request.request_id,
+        slot=request.slot,
+        new_blocks=chunk.new_blocks,
+        token_ids=request.token_slice(chunk.start, chunk.start + chunk.num_tokens),
+        start=chunk.start,
+        sample=chunk.sample,
+        params=request.params if fresh else None,
+        prompt_len=request.num_prompt_tokens if fresh else 0,
+        fresh=fresh,
+        cached_token_ids=request.token_slice(0, chunk.start) if fresh else [],
+    )
+
+
+def request_output(request: Request, sample: Sample, reason: str | None) -> RequestOutput:
+    """What a frontend hears of one applied sample."""
+    logprobs = None if request.params.logprobs is None else [sample.logprob or 0.0]
+    tops = None if not request.params.logprobs else [sample.top_logprobs or []]
+    return RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=[sample.token_id],
+        finish_reason=reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        logprobs=logprobs,
+        top_logprobs=tops,
+        num_cached_tokens=request.num_cached_tokens or 0,
+    )

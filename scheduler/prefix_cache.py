@@ -1,0 +1,67 @@
+"""PrefixCache: how the scheduler uses the allocator's hash index (torch-free).
+
+A request is admitted with the longest run of its full blocks that the index holds (a hit takes a
+reference on each) and starts computing after them; at least one token is always computed, for
+the logits. Only the blocks a hit does not cover, plus the cached-free ones it takes out of the
+free pool, count against the pool and the watermark, and only the tokens after them against
+the budget.
+
+A full block is offered to the index once its K/V is planned by an earlier step (the worker runs
+steps in order, so a later step reads it) and all its tokens are known (with overlap, a block's
+last token may still be pending). Blocks a step fills are offered after its admissions, so no
+hit reads K/V the same step computes (a compiled step writes its K/V after its graph). When the
+worker's rows are lost, the index goes with them: no request may hit K/V that the next worker
+never computed.
+"""
+
+from __future__ import annotations
+
+from scheduler.block_allocator import BlockAllocator
+from scheduler.request import Request
+
+
+class PrefixCache:
+    """Lookups at admission, offers as blocks fill, and the query/hit counters (in tokens)."""
+
+    def __init__(self, allocator: BlockAllocator, enabled: bool = True) -> None:
+        self.allocator = allocator
+        self.enabled = enabled
+        self.queries = 0  # tokens of admitted requests, every admission counted
+        self.hits = 0  # of those, tokens found in the cache
+
+    def lookup(self, request: Request) -> list[int]:
+        """The cached blocks of ``request``'s longest cached prefix, leaving at least one token
+        to compute."""
+        if not self.enabled:
+            return []
+        size = self.allocator.block_size
+        usable = (request.num_tokens - 1) // size
+        hashes = request.hash_blocks(usable, size)
+        return self.allocator.lookup(hashes[:usable])
+
+    def free_blocks_taken(self, need: int, hits: list[int]) -> int:
+        """Free blocks an admission of ``need`` blocks with these hits consumes: the new ones,
+        and the hits that are cached-free."""
+        return need - len(hits) + sum(1 for block in hits if self.allocator.ref_count(block) == 0)
+
+    def admitted(self, request: Request, hits: list[int]) -> None:
+        """Account an admission that took ``hits``: the request starts computing after them."""
+        request.num_blocks_cached = len(hits)
+        request.num_computed = len(hits) * self.allocator.block_size
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = request.num_computed
+        self.queries += request.num_tokens
+        self.hits += request.num_computed
+
+    def offer(self, request: Request) -> None:
+        """Offer the index every full block whose K/V is planned and whose tokens are known."""
+        if not self.enabled:
+            return
+        size = self.allocator.block_size
+        full = min(request.num_computed, request.num_known_tokens) // size
+        if full <= request.num_blocks_cached:
+            return
+        hashes = request.hash_blocks(full, size)
+        for index in range(request.num_blocks_cached, full):
+            self.allocator.cache(request.block_ids[index], hashes[index])
+        request.num_blocks_cached = full
