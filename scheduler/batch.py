@@ -62,3 +62,21 @@ def request_output(request: Request, sample: Sample, reason: str | None) -> Requ
         top_logprobs=tops,
         num_cached_tokens=request.num_cached_tokens or 0,
     )
+
+
+def merge_outputs(request_id: str, outputs: list[RequestOutput]) -> RequestOutput:
+    """One request's outputs, step by step, as one: every token, logprob and the finish."""
+    tokens = [t for o in outputs for t in o.new_token_ids]
+    logprobs = (
+        None
+        if not outputs or outputs[0].logprobs is None
+        else [lp for o in outputs for lp in o.logprobs or []]
+    )
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=tokens,
+        finish_reason=outputs[-1].finish_reason if outputs else None,
+        num_prompt_tokens=outputs[0].num_prompt_tokens if outputs else 0,
+        logprobs=logprobs,
+        num_cached_tokens=outputs[0].num_cached_tokens if outputs else 0,
+    )

@@ -28,7 +28,7 @@ from protocol.messages import (
     WorkerReady,
 )
 from scheduler.audit import audit_all, project_rows
-from scheduler.batch import Batch, request_output, step_item
+from scheduler.batch import Batch, merge_outputs, request_output, step_item
 from scheduler.block_allocator import BlockAllocator
 from scheduler.config import SchedulerConfig
 from scheduler.errors import LivelockError
@@ -117,6 +117,28 @@ class Engine:
         """Forget the steps in flight and every cache row: running requests recompute later."""
         self._in_flight.clear()
         self.scheduler.preempt_all()
+
+    def adopt_pool(self, ready: WorkerReady) -> list[RequestOutput]:
+        """After ``worker_lost``, a new worker brought a pool of another size: waiting requests
+        move to it, and those it cannot hold end with an error (returned)."""
+        s, limit = self.scheduler, self.config.num_blocks
+        allocator = BlockAllocator(
+            min(limit or ready.num_blocks, ready.num_blocks), ready.block_size
+        )
+        reserve = self.config.watermark_blocks
+        reserve = int(0.01 * allocator.num_blocks) if reserve is None else reserve
+        failed = []
+        for request in list(s.waiting):
+            if request.most_blocks(allocator.block_size, s.max_model_len) > allocator.num_blocks:
+                s.abort(request.request_id)
+                failed.append(request.request_id)
+        s.replace_pool(allocator, min(reserve, allocator.num_blocks))
+        self.ready_info = ready
+        why = f"the new worker's pool of {allocator.num_blocks} blocks cannot hold this request"
+        return [
+            RequestOutput(request_id=rid, new_token_ids=[], finish_reason="error", error=why)
+            for rid in failed
+        ]
 
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
@@ -243,7 +265,7 @@ class Engine:
         while self.has_unfinished() or self._in_flight:  # surplus steps drain too
             for out in self.step():
                 collected[out.request_id].append(out)
-        return [_merge(rid, collected[rid]) for rid in ids]
+        return [merge_outputs(rid, collected[rid]) for rid in ids]
 
     def stats(self) -> EngineStats:
         """The gauges and counters this engine keeps (see EngineStats for each meaning); the
@@ -262,20 +284,3 @@ class Engine:
             prefix_cache_queries=s.cache.queries,
             prefix_cache_hits=s.cache.hits,
         )
-
-
-def _merge(request_id: str, outputs: list[RequestOutput]) -> RequestOutput:
-    tokens = [t for o in outputs for t in o.new_token_ids]
-    logprobs = (
-        None
-        if not outputs or outputs[0].logprobs is None
-        else [lp for o in outputs for lp in o.logprobs or []]
-    )
-    return RequestOutput(
-        request_id=request_id,
-        new_token_ids=tokens,
-        finish_reason=outputs[-1].finish_reason if outputs else None,
-        num_prompt_tokens=outputs[0].num_prompt_tokens if outputs else 0,
-        logprobs=logprobs,
-        num_cached_tokens=outputs[0].num_cached_tokens if outputs else 0,
-    )

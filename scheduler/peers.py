@@ -62,10 +62,11 @@ def failed(request_id: str, reason: str) -> RequestOutput:
 
 
 def geometry(ready: WorkerReady) -> tuple:
-    """What a replacement worker must share with the lost one for requests to carry over."""
+    """What a replacement worker must share with the lost one for requests to carry over. Not
+    the pool's size: a default pool is sized from free memory, which differs between starts,
+    and requests move to the new pool (``Engine.adopt_pool``)."""
     return (
         ready.model_id,
-        ready.num_blocks,
         ready.block_size,
         ready.num_slots,
         ready.max_model_len,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from protocol.blocks import blocks_for
 from protocol.messages import PENDING_TOKEN, SamplingParams
 from scheduler.block_hash import block_hash, root_hash
 
@@ -129,3 +130,22 @@ class Request:
         if generated >= params.max_tokens or self.num_known_tokens >= max_model_len:
             return "length"
         return None
+
+    def most_blocks(self, block_size: int, max_model_len: int) -> int:
+        """The most blocks it can ever hold: its prompt and all it may generate, but the last
+        token, whose K/V is never cached."""
+        final = min(self.num_prompt_tokens + self.params.max_tokens, max_model_len)
+        return blocks_for(final - 1, block_size)
+
+    def release(self) -> None:
+        """Its blocks and slot went back to the ledgers: nothing held, nothing computed."""
+        self.block_ids, self.blocks_sent, self.slot = [], 0, None
+        self.num_computed = self.num_blocks_cached = 0
+
+    def requeue(self) -> None:
+        """Preempted (after ``release``): waiting again, its tokens kept. A token sampled by a
+        step still in flight is recomputed, not awaited, and that step's result is stale."""
+        self.status = RequestStatus.WAITING
+        self.num_pending = 0
+        self.epoch += 1
+        self.num_preemptions += 1

@@ -123,21 +123,31 @@ class Scheduler:
                 f"request {request_id!r}: prompt of {n} tokens leaves no room in "
                 f"max_model_len {self.max_model_len}"
             )
+        request = Request(
+            request_id, list(prompt_token_ids), params, self._next_arrival, cache_salt=cache_salt
+        )
         # Passing this door is a promise to run the request: alone in an empty pool it fits.
-        final_len = min(n + params.max_tokens, self.max_model_len)
-        need = self.allocator.blocks_for_length(final_len - 1)  # the last token is never cached
+        need = request.most_blocks(self.allocator.block_size, self.max_model_len)
         if need > self.allocator.num_blocks:
             raise RequestRejected(
                 f"request {request_id!r} may need {need} blocks, the whole pool has "
                 f"{self.allocator.num_blocks}"
             )
-        request = Request(
-            request_id, list(prompt_token_ids), params, self._next_arrival, cache_salt=cache_salt
-        )
         self._next_arrival += 1
         self._requests[request_id] = request
         self.waiting.append(request)
         return request
+
+    def replace_pool(self, allocator: BlockAllocator, watermark_blocks: int) -> None:
+        """Move to another pool (a new worker brought one of another size) while nothing runs;
+        every waiting request must fit it (abort those that do not first)."""
+        if self.running or any(
+            r.most_blocks(allocator.block_size, self.max_model_len) > allocator.num_blocks
+            for r in self.waiting
+        ):
+            raise RuntimeError("a pool is replaced only while nothing runs, and all waiting fit")
+        self.allocator, self.watermark_blocks = allocator, watermark_blocks
+        self.cache = PrefixCache(allocator, self.cache.enabled)
 
     def abort(self, request_id: str) -> Request | None:
         """Drop a waiting, running or preempted request; everything it held returns."""
@@ -206,10 +216,7 @@ class Scheduler:
             self.thrashed_admissions += 1  # evicted before outgrowing what admission bought
         self.running.remove(victim)
         self._give_back(victim)
-        victim.status = RequestStatus.WAITING
-        victim.num_pending = 0  # sampled in a step still in flight: recomputed, not awaited
-        victim.epoch += 1
-        victim.num_preemptions += 1
+        victim.requeue()
         self.num_preemptions_total += 1
         self.waiting.appendleft(victim)
 
@@ -265,14 +272,12 @@ class Scheduler:
 
     # -- results ----------------------------------------------------------------------------------
     def is_current(self, chunk: ScheduledChunk) -> bool:
-        """True if ``chunk``'s request still runs as it was when the chunk was scheduled (not
-        finished, aborted or preempted since): only then does its sample count."""
+        """Whether ``chunk``'s request runs as when it was scheduled (its sample counts)."""
         request = chunk.request
         return self._requests.get(request.request_id) is request and request.epoch == chunk.epoch
 
     def on_sampled(self, request: Request, token_id: int) -> str | None:
-        """Turn the oldest pending token of a running request into ``token_id``; return a
-        finish reason, or None."""
+        """The oldest pending token of a running request is ``token_id``: why it ends, or None."""
         if request.num_pending < 1:
             raise RuntimeError(f"request {request.request_id} has no pending token")
         request.num_pending -= 1
@@ -284,14 +289,10 @@ class Scheduler:
     def _give_back(self, request: Request) -> None:
         # Deepest first: a chain's tail is then evicted before its (more shared) head.
         self.allocator.free_all(request.block_ids[::-1])
-        request.block_ids = []
-        request.blocks_sent = 0
-        request.num_computed = 0
-        request.num_blocks_cached = 0
         if request.slot is not None:
             heapq.heappush(self._free_slots, request.slot)
             self._pending_releases.append(request.slot)
-            request.slot = None
+        request.release()
 
     def _forget(self, request: Request, status: RequestStatus, reason: str) -> None:
         request.status = status

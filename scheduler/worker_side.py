@@ -152,7 +152,7 @@ class WorkerSide:
                 PROTOCOL_VERSION,
             )
             return None
-        fail_reason = None
+        fail_reason, outputs = None, []
         if self.engine is not None and geometry(self.engine.ready_info) != geometry(ready):
             log.error("the new worker's cache geometry differs: %s", geometry(ready))
             fail_reason = "the worker was replaced by one with a different model or cache"
@@ -165,6 +165,13 @@ class WorkerSide:
                 return WorkerNews(fail_reason=fail_reason)
         else:
             self.engine.worker_lost()  # running requests go back to waiting with their tokens
+            if ready.num_blocks != self.engine.ready_info.num_blocks:
+                outputs = self.engine.adopt_pool(ready)
+                log.warning(
+                    "the new worker's pool has %d blocks: %d requests no longer fit",
+                    ready.num_blocks,
+                    len(outputs),
+                )
         lost_for = time.monotonic() - self.lost_since if self.lost_since is not None else None
         self.worker = WorkerPeer(peer=peer, ready=ready, last_seen=time.monotonic(), fd=fd)
         self.lost_since = None
@@ -176,7 +183,7 @@ class WorkerSide:
             ready.block_size,
             f", {lost_for:.2f} s after the last one was lost" if lost_for is not None else "",
         )
-        return WorkerNews(fail_reason=fail_reason, changed=True)
+        return WorkerNews(outputs=outputs, fail_reason=fail_reason, changed=True)
 
     def _step_done(self, peer: bytes, result: StepResult) -> WorkerNews | None:
         """Apply the oldest step's result (and audit); its outputs go to the frontends."""

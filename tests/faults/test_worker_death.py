@@ -75,10 +75,10 @@ def lonely(tmp_path_factory: pytest.TempPathFactory):
         running.stop()
 
 
-async def _kill_worker_mid_stream(server) -> tuple[asyncio.Task, Stream, float]:
+async def _kill_worker_mid_stream(server, prompt=PROMPTS[0]) -> tuple[asyncio.Task, Stream, float]:
     session = aiohttp.ClientSession()
     stream = Stream()
-    body = {"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
     task = asyncio.create_task(stream_completion(session, server, body, stream))
     task.add_done_callback(lambda _: asyncio.ensure_future(session.close()))
     await wait_until(lambda: len(stream.times) >= 1, what="first token")
@@ -89,10 +89,25 @@ async def _kill_worker_mid_stream(server) -> tuple[asyncio.Task, Stream, float]:
     return task, stream, killed
 
 
+async def test_a_new_pool_size_carries_requests_over(lonely):
+    """A default pool is sized from free memory, which differs between starts: the requests
+    move to the new worker's pool and finish with the undisturbed text."""
+    body = {"prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+        undisturbed = await stream_completion(session, lonely, body, Stream())
+    task, stream, _ = await _kill_worker_mid_stream(lonely, PROMPTS[2])
+    mark = lonely.log_size("scheduler")
+    lonely.start("worker", "--num-blocks", "777")
+    await asyncio.to_thread(lonely.wait_log, "scheduler", r"pool has 777 blocks", mark, 120.0)
+    await asyncio.wait_for(task, 120.0)
+    assert stream.done and not stream.errors and stream.text == undisturbed.text
+    await assert_pool_empty(lonely)
+
+
 async def test_another_geometry_fails_what_is_in_flight(lonely):
     task, stream, _ = await _kill_worker_mid_stream(lonely)
     mark = lonely.log_size("scheduler")
-    lonely.start("worker", "--num-blocks", "777")
+    lonely.start("worker", "--block-size", "32")
     await asyncio.to_thread(lonely.wait_log, "scheduler", r"worker ready", mark, 120.0)
     await asyncio.wait_for(task, 30.0)
     assert stream.done and len(stream.errors) == 1

@@ -6,6 +6,7 @@ import pytest
 
 from protocol.messages import SamplingParams, StepResult
 from scheduler.errors import LivelockError
+from scheduler.sim_worker import SimWorker
 from tests.scheduler.conftest import GREEDY, assert_all_back, make_engine, prompts, run_to_end
 
 
@@ -155,3 +156,29 @@ def test_num_steps_total_counts_applied_steps_not_planned_ones() -> None:
     engine.apply(engine.worker.execute(first))
     stats = engine.stats()
     assert (stats.num_steps_total, stats.steps_in_flight) == (1, 1)
+
+
+def test_a_new_worker_with_another_pool_size_takes_the_requests_it_can_hold() -> None:
+    """Requests move to the new pool after a worker is lost; one the smaller pool could never
+    hold ends with an error, the rest finish with the text they would have had."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    roomy = make_engine(num_blocks=40, num_slots=3)
+    expected = [o.new_token_ids for o in roomy.generate(prompts(3, length=6), params)]
+    engine = make_engine(num_blocks=40, num_slots=3)
+    for i, prompt in enumerate(prompts(3, length=6)):
+        engine.add_request(f"r{i}", prompt, params)
+    engine.add_request("big", list(range(200, 230)), params)  # 41 tokens at most: 11 blocks
+    outs: dict[str, list[int]] = {f"r{i}": [] for i in range(3)} | {"big": []}
+    for out in engine.step():
+        outs[out.request_id] += out.new_token_ids
+    engine.worker_lost()
+    engine.worker = SimWorker(10, 4, 3)
+    (failed,) = engine.adopt_pool(engine.worker.ready())
+    assert failed.request_id == "big" and failed.finish_reason == "error"
+    assert "pool of 10 blocks cannot hold" in failed.error
+    assert engine.scheduler.allocator.num_blocks == 10 and engine.ready_info.num_blocks == 10
+    while engine.has_unfinished() or engine.num_in_flight:
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+    assert [outs[f"r{i}"] for i in range(3)] == expected
+    assert_all_back(engine)
