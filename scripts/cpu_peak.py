@@ -2,8 +2,8 @@
 ``vdpbf16ps`` instructions (AVX512-BF16, 32 multiply-adds each) reaches on 1 and 2 threads.
 
 No matmul can beat it, so it bounds any bfloat16 server's tokens/s here: ``scripts/compare.py``'s
-concurrency-32 load needs about 3,930 GFLOP of matmuls (README, "Side by side"). Built with
-``torch.utils.cpp_extension`` (needs g++); prints one line per thread count:
+concurrency-32 load needs about 3,930 GFLOP of matmuls (docs/performance.md, "Side by side").
+Built with ``torch.utils.cpp_extension`` (needs g++); prints one line per thread count:
 
     python scripts/cpu_peak.py
 """

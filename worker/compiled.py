@@ -30,7 +30,7 @@ from worker.model import LlamaModel
 from worker.rope import rotary_cos_sin
 
 # Decode-only steps of at most this many rows (padding included) run compiled: up to it the
-# graph beats eager steps (docs/worker-figures.md). Beyond it, the torch backend's gather
+# graph beats eager steps (docs/performance.md). Beyond it, the torch backend's gather
 # copies, fresh in a graph, would grow to tens of MB a layer; the eager path reuses one scratch
 # buffer.
 MAX_BATCH = 32

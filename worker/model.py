@@ -150,7 +150,7 @@ class MLP(nn.Module):
 
 
 # The lm head's GGUF matrix (usually Q8_0, so two 4-bit halves) runs for one row only: twice the
-# columns pay for themselves at one row and not beyond (docs/worker-figures.md).
+# columns pay for themselves at one row and not beyond (docs/performance.md).
 LM_HEAD_Q4_MAX_ROWS = 1
 
 _FUSED_PARTS = {  # the linears after ``fuse`` -> the checkpoint's matrices, stacked by rows
