@@ -107,6 +107,8 @@ class Worker:
 
         if self.device != "cpu":
             raise ValueError(f"compile runs on CPU only, not on {self.device}")
+        if _torch_version() < (2, 13):
+            raise ValueError(f"compile needs torch >= 2.13, this is {torch.__version__}")
         self.compiled = CompiledDecode(self.model, self.cache, self.attention)
         self.compiled.warm_up()
 
@@ -222,6 +224,12 @@ def bound_onednn_cache() -> None:
     stops growing once they are built. oneDNN reads the variable when it builds its first
     primitive, so this runs before the model loads."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
+
+
+def _torch_version() -> tuple[int, int]:
+    """torch's (major, minor)."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def _max_model_len(config: WorkerConfig, model_config) -> int:

@@ -45,6 +45,8 @@ def test_soak_with_a_leak_exits_non_zero_naming_the_block(
 ) -> None:
     assert main(["soak", "--model", tiny, "--inject-leak", "3"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
+    # torch < 2.8 (CUDA builds, no GPU, nvcc on PATH) prints this on importing cpp_extension.
+    err = [line for line in err if not line.startswith("No CUDA runtime is found")]
     assert len(err) == 1
     assert err[0].startswith("InvariantViolation at iteration ")
     assert "is allocated but no request holds it" in err[0]
