@@ -68,7 +68,7 @@ class BenchServeConfig:
     random_prefix_len: int = 0  # random dataset: one seeded prefix shared by every prompt
     num_conversations: int = 8  # multi-turn: conversations at once
     turns: int = 6  # multi-turn: user messages per conversation
-    system_len: int = 750  # multi-turn: words of the shared system prompt
+    system_len: int = 950  # multi-turn: words of the shared system prompt (~1,000 tokens)
 
     def __post_init__(self) -> None:
         _choice("endpoint type", self.endpoint_type, ("completions", "chat"))

@@ -192,7 +192,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--conversations", type=int, default=8, help="multi-turn, at once")
     parser.add_argument("--turns", type=int, default=6, help="multi-turn: turns each")
-    parser.add_argument("--system-len", type=int, default=750, help="multi-turn: words")
+    parser.add_argument(
+        "--system-len", type=int, default=950, help="multi-turn: words (~1,000 tokens)"
+    )
     parser.add_argument("--turn-len", type=int, default=38, help="multi-turn: user words")
     parser.add_argument("--reply-len", type=int, default=64, help="multi-turn: reply tokens")
     parser.add_argument("--dtypes", default="float32,bfloat16", type=lambda s: s.split(","))

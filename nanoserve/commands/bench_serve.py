@@ -52,7 +52,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     work.add_argument("--num-conversations", type=int, default=8, help="multi-turn, at once")
     work.add_argument("--turns", type=int, default=6, help="multi-turn: user messages each")
     work.add_argument(
-        "--system-len", type=int, default=750, help="multi-turn: words of the system prompt"
+        "--system-len",
+        type=int,
+        default=950,
+        help="multi-turn: words of the system prompt (about 1,000 tokens)",
     )
     work.add_argument(
         "--prompt-format",
