@@ -24,7 +24,7 @@ def env(name: str, default: Any = None, kind: type = str) -> Any:
 
 
 def add_address_args(parser: argparse.ArgumentParser) -> None:
-    """--run-id, --transport, --base-port: where the scheduler's two sockets live."""
+    """--run-id, --transport, --base-port: where the scheduler's sockets live."""
     group = parser.add_argument_group("sockets")
     group.add_argument("--run-id", default=env("run_id", "default"), help="socket name suffix")
     group.add_argument(
@@ -37,7 +37,7 @@ def add_address_args(parser: argparse.ArgumentParser) -> None:
         "--base-port",
         type=int,
         default=env("base_port", 5610, int),
-        help="first of two tcp ports (tcp transport only)",
+        help="first of three tcp ports (tcp transport only)",
     )
 
 

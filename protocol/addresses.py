@@ -1,4 +1,4 @@
-"""Where the processes find each other: two ZeroMQ endpoints, both bound by the scheduler.
+"""Where the processes find each other: ZeroMQ endpoints, all bound by the scheduler.
 
 By default they are ipc:// sockets in a per-user runtime directory created with 0700
 permissions, so no other user on the machine can connect. ``tcp`` mode binds 127.0.0.1 only.
@@ -16,14 +16,18 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Addresses:
-    """The scheduler's two ROUTER endpoints: frontends and the worker connect to them."""
+    """The scheduler's two ROUTER endpoints (frontends and the worker connect to them) and its
+    monitor feed for the web page (an XPUB that frontends subscribe to; None: no feed)."""
 
     frontend: str
     worker: str
+    monitor: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("frontend", "worker"):
+        for name in ("frontend", "worker", "monitor"):
             value = getattr(self, name)
+            if value is None and name == "monitor":
+                continue
             if not value.startswith(("ipc://", "tcp://", "inproc://")):
                 raise ValueError(f"{name} address must be ipc://, tcp:// or inproc://: {value}")
 
@@ -49,7 +53,12 @@ def default_addresses(
         return Addresses(
             frontend=f"ipc://{directory}/{run_id}-frontend.sock",
             worker=f"ipc://{directory}/{run_id}-worker.sock",
+            monitor=f"ipc://{directory}/{run_id}-monitor.sock",
         )
     if transport == "tcp":
-        return Addresses(frontend=f"tcp://127.0.0.1:{port}", worker=f"tcp://127.0.0.1:{port + 1}")
+        return Addresses(
+            frontend=f"tcp://127.0.0.1:{port}",
+            worker=f"tcp://127.0.0.1:{port + 1}",
+            monitor=f"tcp://127.0.0.1:{port + 2}",
+        )
     raise ValueError(f"unknown transport {transport!r} (use ipc or tcp)")

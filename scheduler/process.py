@@ -13,7 +13,8 @@ worker finds its next step queued the moment it finishes one.
 The loop is here; each peer has its side: ``WorkerSide`` (the engine, the worker's
 announcement, steps and their results), ``FrontendSide`` (hellos, adds, aborts, routing
 outputs) and ``Liveness`` (monitors, silence, heartbeats). Garbage is logged, counted and
-dropped by the side whose socket it arrived on.
+dropped by the side whose socket it arrived on. ``Monitor`` publishes snapshots for the web page
+while a frontend subscribes.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from protocol.addresses import Addresses
 from protocol.channel import BadMessage, Channel
 from protocol.messages import FrontendToScheduler, WorkerToScheduler
 from scheduler.config import SchedulerConfig
+from scheduler.errors import InvariantViolation
 from scheduler.frontend_side import FrontendSide
 from scheduler.liveness import Liveness
+from scheduler.monitor import Monitor
 from scheduler.worker_side import WorkerSide
 
 log = logging.getLogger("nanoserve.scheduler")
@@ -61,7 +64,18 @@ class SchedulerProcess:
             peer_timeout=peer_timeout,
             worker_timeout=worker_timeout,
         )
+        self.monitor = Monitor(self._feed(addresses.monitor), self.frontends, self.workers)
         self.stopping = False
+
+    def _feed(self, address: str | None) -> zmq.Socket | None:
+        """The web page's feed: an XPUB that drops what a slow subscriber cannot take."""
+        if address is None:
+            return None
+        socket = self.context.socket(zmq.XPUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, 8)
+        socket.bind(address)
+        return socket
 
     def _bind(self, address: str) -> zmq.Socket:
         socket = self.context.socket(zmq.ROUTER)
@@ -72,11 +86,22 @@ class SchedulerProcess:
 
     def run(self) -> int:
         """Serve until SIGTERM or SIGINT (then return 0)."""
-        frontends, workers = self.frontends.channel, self.workers.channel
         poller = zmq.Poller()
-        poller.register(frontends.socket, zmq.POLLIN)
-        poller.register(workers.socket, zmq.POLLIN)
+        for socket in (self.frontends.channel.socket, self.workers.channel.socket):
+            poller.register(socket, zmq.POLLIN)
         self.liveness.register(poller)
+        if self.monitor.socket is not None:
+            poller.register(self.monitor.socket, zmq.POLLIN)
+        try:
+            self._loop(poller)
+        except InvariantViolation:
+            self.monitor.publish()  # the page shows the failed audit before we go
+            raise
+        log.info("stopped")
+        return 0
+
+    def _loop(self, poller: zmq.Poller) -> None:
+        frontends, workers = self.frontends.channel, self.workers.channel
         while not self.stopping:
             wait_ms = 0 if self.workers.can_step() else int(self.heartbeat_s * 1000)
             events = dict(poller.poll(wait_ms))
@@ -87,11 +112,11 @@ class SchedulerProcess:
             if workers.socket in events:
                 _drain(workers, self._on_worker, self.workers.bad)
             self.liveness.on_events(events)
+            self.monitor.on_events(events)
             self.liveness.check()
             self.workers.send_steps()
             self.liveness.maybe_heartbeat()
-        log.info("stopped")
-        return 0
+            self.monitor.maybe_publish()
 
     def _on_worker(self, peer: bytes, message: Any, fd: int | None) -> None:
         self.frontends.publish(self.workers.on_message(peer, message, fd))
@@ -102,6 +127,7 @@ class SchedulerProcess:
 
     def close(self) -> None:
         """Close every socket."""
+        self.monitor.close()
         self.context.destroy(linger=0)
 
 

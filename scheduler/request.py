@@ -6,6 +6,7 @@ The scheduler owns these records; the worker only ever sees StepItems built from
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from protocol.blocks import blocks_for
@@ -62,6 +63,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_blocks_cached: int = 0
     num_cached_tokens: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)  # for its age on the web page
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -28,6 +28,7 @@ from protocol.messages import (
     WorkerReady,
     WorkerToScheduler,
 )
+from scheduler.audit_log import AuditLog
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.peers import WorkerPeer, geometry
@@ -57,6 +58,7 @@ class WorkerSide:
         self.bad_messages = 0
         self.workers_lost = 0
         self.busy_s = 0.0  # planning steps and applying results, not waiting on the worker
+        self.audits = AuditLog()
         self._hellos: dict[bytes, float] = {}  # unknown worker peer -> when we last greeted it
         self._nothing_to_plan = False  # the last plan() found nothing: wait for an event
 
@@ -201,7 +203,8 @@ class WorkerSide:
             return None
         outputs = engine.apply(result)
         if self.config.audit:
-            engine.audit(result.rows)  # InvariantViolation ends the process, loudly
+            # InvariantViolation ends the process, loudly (the log keeps it for the web page)
+            self.audits.run(lambda: engine.audit(result.rows))
         self.busy_s += time.perf_counter() - started
         return WorkerNews(outputs=outputs)
 

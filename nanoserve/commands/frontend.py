@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 from nanoserve.options import add_address_args, add_model_arg, addresses_from
@@ -27,6 +28,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--frontend-address",
         default=_env("FRONTEND_ADDRESS"),
         help="scheduler's frontend endpoint (overrides --run-id/--transport)",
+    )
+    p.add_argument(
+        "--monitor-address",
+        default=_env("MONITOR_ADDRESS"),
+        help="scheduler's monitor feed for the web page (default: from --run-id/--transport; "
+        "none with --frontend-address)",
     )
     p.add_argument(
         "--api-key",
@@ -59,6 +66,8 @@ def _run(args: argparse.Namespace) -> int:
     addresses = addresses_from(args)
     if args.frontend_address:
         addresses = Addresses(frontend=args.frontend_address, worker=addresses.worker)
+    if args.monitor_address:
+        addresses = dataclasses.replace(addresses, monitor=args.monitor_address)
     config = FrontendConfig(
         host=args.host,
         port=args.port,

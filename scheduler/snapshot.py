@@ -1,0 +1,111 @@
+"""The ledgers as the web page draws them: the pool as runs, the queues as rows (torch-free).
+
+``pool_runs`` reads the allocator and the running requests in one pass over the pool and
+returns it run-length encoded (``protocol.monitor.PoolRuns``); ``decode_runs`` undoes that,
+for tests and tools. ``request_rows`` lists the queues, counts only: no prompt text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import groupby
+
+from protocol.monitor import CACHED, FREE, HELD, MAX_WAITING_ROWS, SHARED, PoolRuns, RequestRow
+from scheduler.block_allocator import BlockAllocator
+from scheduler.request import Request
+
+
+def pool_runs(
+    allocator: BlockAllocator, running: Sequence[Request], watermark_blocks: int
+) -> PoolRuns:
+    """The pool in block order as ``(state, owner set, length)`` runs. Owner set 0 is empty
+    (free blocks), ``1 + i`` is ``running[i]`` alone, and the sets of shared blocks follow."""
+    # One int per block: owner set * 4 + state, so that groupby finds the runs in C.
+    keys = [FREE] * allocator.num_blocks
+    for block in allocator.eviction_queue:
+        keys[block] = CACHED
+    owner_sets: list[list[int]] = [[]]
+    for index, request in enumerate(running):
+        owner_sets.append([index])
+        key = (index + 1) * 4 + HELD
+        for block in request.block_ids:
+            keys[block] = key
+    for block, holders in _shared_holders(allocator, running).items():
+        keys[block] = _owner_set(owner_sets, holders) * 4 + SHARED
+    runs: list[int] = []
+    for key, group in groupby(keys):
+        runs += (key & 3, key >> 2, len(list(group)))
+    return PoolRuns(
+        num_blocks=allocator.num_blocks,
+        block_size=allocator.block_size,
+        watermark_blocks=watermark_blocks,
+        runs=runs,
+        owner_sets=owner_sets,
+    )
+
+
+def _shared_holders(
+    allocator: BlockAllocator, running: Sequence[Request]
+) -> dict[int, tuple[int, ...]]:
+    """``{block: indexes of its holders in running}`` for every block with several holders."""
+    counts = allocator.ref_counts
+    if sum(counts.values()) == len(counts):
+        return {}  # every held block has one holder
+    shared = {block for block, count in counts.items() if count > 1}
+    holders: dict[int, list[int]] = {}
+    for index, request in enumerate(running):
+        for block in shared.intersection(request.block_ids):
+            holders.setdefault(block, []).append(index)
+    return {block: tuple(indexes) for block, indexes in holders.items()}
+
+
+def _owner_set(owner_sets: list[list[int]], holders: tuple[int, ...]) -> int:
+    """The index of ``holders`` in ``owner_sets``, appended when new (shared sets are few)."""
+    wanted = list(holders)
+    for index in range(len(owner_sets) - 1, 0, -1):
+        if owner_sets[index] == wanted:
+            return index
+    owner_sets.append(wanted)
+    return len(owner_sets) - 1
+
+
+def decode_runs(pool: PoolRuns) -> list[tuple[int, tuple[int, ...]]]:
+    """``[(state, holders)]`` per block, from the runs; raises if they do not cover the pool."""
+    blocks: list[tuple[int, tuple[int, ...]]] = []
+    runs = pool.runs
+    if len(runs) % 3:
+        raise ValueError(f"{len(runs)} run fields are not whole triples")
+    for at in range(0, len(runs), 3):
+        state, owners, length = runs[at : at + 3]
+        blocks += [(state, tuple(pool.owner_sets[owners]))] * length
+    if len(blocks) != pool.num_blocks:
+        raise ValueError(f"the runs cover {len(blocks)} blocks of {pool.num_blocks}")
+    return blocks
+
+
+def request_rows(
+    running: Sequence[Request], waiting: Sequence[Request], now: float
+) -> list[RequestRow]:
+    """Every running request, then the head of the waiting queue (``MAX_WAITING_ROWS``)."""
+    rows = [_row(request, True, now) for request in running]
+    for position, request in enumerate(waiting):
+        if position == MAX_WAITING_ROWS:
+            break
+        rows.append(_row(request, False, now))
+    return rows
+
+
+def _row(request: Request, running: bool, now: float) -> RequestRow:
+    return RequestRow(
+        request_id=request.request_id,
+        running=running,
+        slot=request.slot,
+        num_blocks=len(request.block_ids),
+        num_computed=request.num_computed,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=request.num_generated,
+        max_tokens=request.params.max_tokens,
+        num_preemptions=request.num_preemptions,
+        age_s=round(now - request.arrival_time, 3),
+        num_cached_tokens=request.num_cached_tokens or 0,
+    )

@@ -1,0 +1,90 @@
+"""The scheduler's monitor feed: nothing is built while nobody subscribes; a subscriber gets
+snapshots a few times a second, with the pool, the queues, health and events."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from protocol.addresses import Addresses, runtime_dir
+from protocol.messages import PROTOCOL_VERSION, AddRequest, SamplingParams
+from protocol.monitor import FREE, PoolSnapshot
+from scheduler.config import SchedulerConfig
+from scheduler.process import SchedulerProcess
+from tests.faults.raw import ENCODE, announcement, dealer
+
+
+@pytest.fixture
+def scheduler():
+    """A scheduler process's loop in a thread, on private ipc sockets."""
+    run = f"mon-{uuid.uuid4().hex[:8]}"
+    directory = runtime_dir()
+    addresses = Addresses(
+        frontend=f"ipc://{directory}/{run}-frontend.sock",
+        worker=f"ipc://{directory}/{run}-worker.sock",
+        monitor=f"ipc://{directory}/{run}-monitor.sock",
+    )
+    process = SchedulerProcess(config=SchedulerConfig(audit=True), addresses=addresses)
+    thread = threading.Thread(target=process.run, daemon=True)
+    thread.start()
+    context = zmq.Context()
+    try:
+        yield process, addresses, context
+    finally:
+        process.stop()
+        thread.join(5)
+        process.close()
+        context.destroy(linger=0)
+        for address in (addresses.frontend, addresses.worker, addresses.monitor):
+            Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
+
+
+def snapshots(socket: zmq.Socket, seconds: float) -> list[PoolSnapshot]:
+    decoder = msgspec.msgpack.Decoder(PoolSnapshot)
+    found, deadline = [], time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if socket.poll(int(left * 1000) + 1):
+            found.append(decoder.decode(socket.recv()))
+    return found
+
+
+def test_snapshots_flow_only_while_subscribed(scheduler):
+    process, addresses, context = scheduler
+    time.sleep(0.6)
+    assert process.monitor.sent == 0, "built snapshots nobody asked for"
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(addresses.monitor)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    first = snapshots(sub, 1.5)
+    assert first, "no snapshot after subscribing"
+    assert first[-1].pool is None and first[-1].health.worker == "none"
+    assert first[-1].protocol_version == PROTOCOL_VERSION
+
+    worker = dealer(context, addresses.worker, b"raw-worker")
+    worker.send(ENCODE(announcement(PROTOCOL_VERSION)))
+    frontend = dealer(context, addresses.frontend)
+    params = SamplingParams(max_tokens=4)
+    frontend.send(ENCODE(AddRequest(request_id="req-1", prompt_token_ids=[5] * 20, params=params)))
+    later = snapshots(sub, 1.5)
+    last = later[-1]
+    assert last.health.worker == "ready" and last.health.model_id == "raw"
+    assert last.pool is not None and last.pool.num_blocks == 8
+    (row,) = last.requests
+    assert row.request_id == "req-1" and row.running and row.num_blocks == 2
+    assert last.pool.runs[:3] == [2, 1, 2]  # its two blocks, held by it alone
+    assert last.pool.runs[3:] == [FREE, 0, 6]
+    assert any(e.kind == "worker" and "ready" in e.text for e in last.events)
+    assert len(later) <= 1.5 / process.monitor.interval_s + 2, "more than a few per second"
+
+    sub.setsockopt(zmq.UNSUBSCRIBE, b"")
+    time.sleep(0.3)
+    sent = process.monitor.sent
+    time.sleep(1.0)
+    assert process.monitor.sent == sent, "still publishing after the last subscriber left"

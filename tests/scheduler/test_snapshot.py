@@ -1,0 +1,112 @@
+"""The pool as the web page receives it: runs that decode back to exactly the ledger."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from protocol.messages import SamplingParams
+from protocol.monitor import (
+    CACHED,
+    FREE,
+    HELD,
+    MAX_WAITING_ROWS,
+    SHARED,
+    PoolRuns,
+    PoolSnapshot,
+    RequestRow,
+)
+from scheduler.engine import Engine
+from scheduler.snapshot import decode_runs, pool_runs, request_rows
+from tests.scheduler.conftest import make_engine
+
+PREFIX = [5, 6, 7, 8] * 3  # three full blocks of 4, shared by every request below
+
+
+def ledger(engine: Engine) -> list[tuple[int, tuple[int, ...]]]:
+    """``[(state, holders)]`` per block, read block by block from the allocator and requests."""
+    sched = engine.scheduler
+    allocator = sched.allocator
+    cached_free = set(allocator.eviction_queue)
+    expected = []
+    for block in range(allocator.num_blocks):
+        holders = tuple(i for i, r in enumerate(sched.running) if block in r.block_ids)
+        count = allocator.ref_count(block)
+        assert count == len(holders)
+        if count > 1:
+            expected.append((SHARED, holders))
+        elif count == 1:
+            expected.append((HELD, holders))
+        else:
+            expected.append((CACHED if block in cached_free else FREE, ()))
+    return expected
+
+
+def snapshot(engine: Engine) -> PoolRuns:
+    sched = engine.scheduler
+    return pool_runs(sched.allocator, sched.running, sched.watermark_blocks)
+
+
+def test_a_pool_with_shared_and_cached_blocks_decodes_to_the_ledger():
+    engine = make_engine(num_blocks=40, block_size=4, num_slots=4, token_budget=64)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine.add_request("first", PREFIX + [1, 2], params)
+    engine.step()  # its prefix blocks join the index: the next ones hit them
+    for i in range(3):
+        engine.add_request(f"r{i}", PREFIX + [20 + i] * (3 + i), params)
+    engine.add_request("short", [9] * 9, SamplingParams(max_tokens=1, ignore_eos=True))
+    seen = set()
+    while engine.has_unfinished():
+        engine.step()
+        pool = snapshot(engine)
+        assert decode_runs(pool) == ledger(engine)
+        seen.update(state for state, _ in decode_runs(pool))
+        assert len(pool.runs) // 3 < pool.num_blocks // 2, "runs, not one entry per block"
+    assert seen == {FREE, CACHED, HELD, SHARED}
+
+
+def test_the_snapshot_survives_the_wire():
+    engine = make_engine(num_blocks=24, block_size=4, num_slots=2)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request("a", PREFIX + [1], params)
+    engine.step()
+    engine.add_request("b", PREFIX + [2], params)
+    engine.add_request("c", [3] * 5, params)
+    engine.step()
+    sched = engine.scheduler
+    message = PoolSnapshot(
+        pool=snapshot(engine),
+        requests=request_rows(sched.running, sched.waiting, now=1e9),
+        num_running=len(sched.running),
+        num_waiting=len(sched.waiting),
+    )
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=PoolSnapshot)
+    assert decode_runs(decoded.pool) == ledger(engine)
+    assert [(r.request_id, r.running) for r in decoded.requests] == [
+        ("a", True),
+        ("b", True),
+        ("c", False),
+    ]
+    a, _, c = decoded.requests
+    assert a.slot == 0 and a.num_blocks == 4 and a.num_prompt_tokens == 13
+    assert c.slot is None and c.num_blocks == 0 and c.num_computed == 0
+    assert decoded.pool.owner_sets[:3] == [[], [0], [1]]  # empty, then each running request
+
+
+def test_waiting_rows_are_capped_and_show_no_text():
+    engine = make_engine(num_blocks=10, block_size=4, num_slots=1)
+    for i in range(MAX_WAITING_ROWS + 5):
+        engine.add_request(f"w{i}", [1, 2, 3], SamplingParams(max_tokens=2))
+    rows = request_rows([], engine.scheduler.waiting, now=1e9)
+    assert len(rows) == MAX_WAITING_ROWS
+    assert all(not r.running and r.age_s > 0 for r in rows)
+    names = {f.name for f in msgspec.structs.fields(RequestRow)}
+    assert not any("ids" in name or "text" in name for name in names), names
+
+
+def test_decode_refuses_runs_that_do_not_cover_the_pool():
+    pool = PoolRuns(
+        num_blocks=5, block_size=4, watermark_blocks=0, runs=[FREE, 0, 4], owner_sets=[[]]
+    )
+    with pytest.raises(ValueError, match="cover 4 blocks of 5"):
+        decode_runs(pool)
