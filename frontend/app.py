@@ -1,8 +1,9 @@
 """create_app: the aiohttp application of the API process.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics, GET /openapi.json. Every error is OpenAI's ``{"error": {...}}`` body. The
-scheduler connection lives in ``cleanup_ctx``, so it opens with the app and closes with it.
+GET /metrics, GET /openapi.json, and the live web page (``frontend.page``: GET /, /static/*,
+/page/stream). Every error is OpenAI's ``{"error": {...}}`` body. The scheduler connection
+lives in ``cleanup_ctx``, so it opens with the app and closes with it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from frontend.config import FrontendConfig
 from frontend.errors import ApiError
 from frontend.handlers import GenerationHandler
 from frontend.metrics import Metrics
+from frontend.page import add_page
+from frontend.page_feed import PageFeed
 from frontend.request_parser import RequestParser
 from frontend.schemas import ChatCompletionRequest, CompletionRequest
 from frontend.tokenizer import ChatTokenizer, load_tokenizer
@@ -69,6 +72,7 @@ def create_app(
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
+    add_page(app, PageFeed(config, client, metrics), app[API_KEYS])
     return app
 
 

@@ -168,12 +168,10 @@ class Generation:
         self._metrics.generation_tokens.inc(count)
         if choice.first_token_time is None:
             choice.first_token_time = now
-            self._metrics.ttft.observe(now - self._arrival)
+            self._metrics.observe_ttft(now - self._arrival)
             self._metrics.prompt_tokens.inc(self.prompt_tokens)
         elif choice.last_token_time is not None:
-            gap = (now - choice.last_token_time) / count
-            for _ in range(count):
-                self._metrics.itl.observe(gap)
+            self._metrics.observe_itl((now - choice.last_token_time) / count, count)
         choice.last_token_time = now
 
     def _finish(self, choice: _Choice, reason: str) -> None:

@@ -6,6 +6,9 @@ Gauges mirror the scheduler's EngineStats; counters and histograms are measured 
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from protocol.messages import EngineStats
@@ -81,8 +84,29 @@ COUNTED = (
 )
 
 
+class Recent:
+    """The latest observations with their times, for percentiles over the last seconds (the
+    web page's plots); at most ``limit`` are kept."""
+
+    def __init__(self, limit: int = 20_000) -> None:
+        self._values: deque[tuple[float, float]] = deque(maxlen=limit)
+
+    def add(self, value: float, count: int = 1) -> None:
+        """Observe ``value`` ``count`` times, now."""
+        now = time.monotonic()
+        self._values.extend([(now, value)] * count)
+
+    def percentiles(self, window_s: float, qs: tuple[float, ...]) -> list[float] | None:
+        """The ``qs`` quantiles of the last ``window_s`` seconds' values (None: no values)."""
+        since = time.monotonic() - window_s
+        values = sorted(v for t, v in self._values if t >= since)
+        if not values:
+            return None
+        return [values[min(len(values) - 1, int(q * len(values)))] for q in qs]
+
+
 class Metrics:
-    """Every series /metrics serves."""
+    """Every series /metrics serves, and the recent latencies the web page plots."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -134,6 +158,27 @@ class Metrics:
             buckets=_E2E_BUCKETS,
             registry=r,
         )
+        self.page_streams = Gauge(
+            "nanoserve:web_page_streams", "Web pages open on the live data stream", registry=r
+        )
+        self.page_frames_dropped = Counter(
+            "nanoserve:web_page_frames_dropped",
+            "Frames a slow web page missed (its queue keeps the newest only)",
+            registry=r,
+        )
+        self.recent_ttft = Recent()
+        self.recent_itl = Recent()
+
+    def observe_ttft(self, seconds: float) -> None:
+        """One request's time to its first token."""
+        self.ttft.observe(seconds)
+        self.recent_ttft.add(seconds)
+
+    def observe_itl(self, seconds: float, count: int = 1) -> None:
+        """``count`` inter-token gaps of ``seconds`` each."""
+        for _ in range(count):
+            self.itl.observe(seconds)
+        self.recent_itl.add(seconds, count)
 
     def observe_stats(self, stats: EngineStats) -> None:
         """Copy the scheduler's gauges, derive the cache usage, and advance its counters."""
