@@ -3,8 +3,9 @@
 It owns an XPUB socket. Frontends subscribe while a browser has the page open; the XPUB tells us
 when the first subscription comes and the last goes, so a server nobody watches builds nothing.
 While watched, ``maybe_publish`` sends one ``PoolSnapshot`` at most every ``interval_s``, and
-less often when snapshots are expensive: their time is kept under ``budget`` of the wall clock
-(a 100k-block pool is published about once a second). Sends never block: a PUB socket drops
+less often when snapshots are expensive: their time is kept under ``budget`` of the wall clock.
+A snapshot is built only while the loop would otherwise wait (for a step's result, or for
+work), so it never holds a step back. Sends never block: a PUB socket drops
 what a slow subscriber cannot take, so no subscriber can slow the scheduler.
 
 Events (a worker lost or back, preemptions, a frontend lost, a failed audit) are found by
@@ -79,10 +80,14 @@ class Monitor:
                 self.topics.discard(frame[1:])
 
     def maybe_publish(self) -> None:
-        """Publish a snapshot if someone watches and the last one is old enough."""
+        """Publish a snapshot if someone watches and the last one is old enough, and only
+        while the loop would wait anyway (steps in flight, or nothing to plan): a snapshot
+        never delays a step."""
         now = time.monotonic()
         if self.socket is None or not self.watched or now < self._next_at:
             return
+        if self.workers.can_step():
+            return  # another step goes out first; a later turn of the loop publishes
         self.publish()
         spent = time.monotonic() - now
         self._next_at = now + max(self.interval_s, spent / self.budget)

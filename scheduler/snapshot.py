@@ -1,47 +1,80 @@
 """The ledgers as the web page draws them: the pool as runs, the queues as rows (torch-free).
 
-``pool_runs`` reads the allocator and the running requests in one pass over the pool and
-returns it run-length encoded (``protocol.monitor.PoolRuns``); ``decode_runs`` undoes that,
+``pool_runs`` reads the allocator and the running requests and returns the pool run-length
+encoded (``protocol.monitor.PoolRuns``); ``decode_runs`` undoes that,
 for tests and tools. ``request_rows`` lists the queues, counts only: no prompt text.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from itertools import groupby
+from itertools import repeat
 
 from protocol.monitor import CACHED, FREE, HELD, MAX_WAITING_ROWS, SHARED, PoolRuns, RequestRow
 from scheduler.block_allocator import BlockAllocator
 from scheduler.request import Request
+
+_RUN = re.compile(rb"\x00+|\x01+|\x02+|\x03+")  # one state's run of bytes (FREE..SHARED)
 
 
 def pool_runs(
     allocator: BlockAllocator, running: Sequence[Request], watermark_blocks: int
 ) -> PoolRuns:
     """The pool in block order as ``(state, owner set, length)`` runs. Owner set 0 is empty
-    (free blocks), ``1 + i`` is ``running[i]`` alone, and the sets of shared blocks follow."""
-    # One int per block: owner set * 4 + state, so that groupby finds the runs in C.
-    keys = [FREE] * allocator.num_blocks
-    for block in allocator.eviction_queue:
-        keys[block] = CACHED
+    (free blocks), ``1 + i`` is ``running[i]`` alone, and the sets of shared blocks follow.
+
+    It runs between iterations, so it touches each block in C only: one byte per block holds
+    its state, the commoner kind of free block is the background and only the rarer kind is
+    marked one by one, and a regular expression finds the runs. Python works per held block
+    and per run."""
+    n = allocator.num_blocks
+    uncached = allocator.uncached_free_blocks
+    if allocator.num_free - len(uncached) > len(uncached):  # mostly cached-free
+        states, rare, mark = bytearray([CACHED]) * n, uncached, FREE
+    else:
+        states, rare, mark = bytearray([FREE]) * n, allocator.eviction_queue, CACHED
+    for block in rare:
+        states[block] = mark
+    owner: dict[int, int] = {}  # held block -> its owner set
     owner_sets: list[list[int]] = [[]]
     for index, request in enumerate(running):
         owner_sets.append([index])
-        key = (index + 1) * 4 + HELD
-        for block in request.block_ids:
-            keys[block] = key
+        owner.update(zip(request.block_ids, repeat(index + 1)))
+    for block in owner:
+        states[block] = HELD
     for block, holders in _shared_holders(allocator, running).items():
-        keys[block] = _owner_set(owner_sets, holders) * 4 + SHARED
+        owner[block] = _owner_set(owner_sets, holders)
+        states[block] = SHARED
     runs: list[int] = []
-    for key, group in groupby(keys):
-        runs += (key & 3, key >> 2, len(list(group)))
+    for match in _RUN.finditer(states):
+        start, end = match.span()
+        state = states[start]
+        if state < HELD:
+            runs += (state, 0, end - start)
+        else:
+            runs += _owner_runs(state, owner, start, end)
     return PoolRuns(
-        num_blocks=allocator.num_blocks,
+        num_blocks=n,
         block_size=allocator.block_size,
         watermark_blocks=watermark_blocks,
         runs=runs,
         owner_sets=owner_sets,
     )
+
+
+def _owner_runs(state: int, owner: dict[int, int], start: int, end: int) -> list[int]:
+    """The runs of held blocks ``start..end-1``: a new run wherever the owner set changes."""
+    runs: list[int] = []
+    current, length = owner[start], 0
+    for block in range(start, end):
+        holders = owner[block]
+        if holders != current:
+            runs += (state, current, length)
+            current, length = holders, 0
+        length += 1
+    runs += (state, current, length)
+    return runs
 
 
 def _shared_holders(

@@ -65,6 +65,22 @@ def test_a_pool_with_shared_and_cached_blocks_decodes_to_the_ledger():
     assert seen == {FREE, CACHED, HELD, SHARED}
 
 
+def test_a_mostly_cached_pool_decodes_to_the_ledger():
+    """Cached-free blocks outnumber uncached ones: the other background of ``pool_runs``."""
+    engine = make_engine(num_blocks=12, block_size=4, num_slots=2)
+    once = SamplingParams(max_tokens=1, ignore_eos=True)
+    for i in range(5):  # each leaves its two full blocks cached-free
+        engine.add_request(f"done{i}", [30 + i] * 8 + [1], once)
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("hit", [30] * 8 + [2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    pool = snapshot(engine)
+    states = [state for state, _ in decode_runs(pool)]
+    assert states.count(CACHED) > states.count(FREE) and HELD in states
+    assert decode_runs(pool) == ledger(engine)
+
+
 def test_the_snapshot_survives_the_wire():
     engine = make_engine(num_blocks=24, block_size=4, num_slots=2)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
