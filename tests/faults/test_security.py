@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_ipc_sockets_live_in_a_private_directory(server):
     addresses = default_addresses(server.run_id)
-    for address in (addresses.frontend, addresses.worker):
+    for address in (addresses.frontend, addresses.worker, addresses.monitor):
         path = Path(address.removeprefix("ipc://"))
         assert stat.S_ISSOCK(path.stat().st_mode), path
         info = path.parent.stat()
@@ -36,6 +36,7 @@ def test_tcp_transport_binds_loopback_only():
     addresses = default_addresses("x", transport="tcp", port=6000)
     assert addresses.frontend.startswith("tcp://127.0.0.1:")
     assert addresses.worker.startswith("tcp://127.0.0.1:")
+    assert addresses.monitor == "tcp://127.0.0.1:6002"
 
 
 def _listeners(port: int) -> list[str]:
