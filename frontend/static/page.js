@@ -18,10 +18,13 @@ const page = {
   local: [], // events seen here (the scheduler's link)
   pending: false,
   frames: 0,
+  renders: 0, // how often the page redrew, and its slowest redraw: the browser test reads them
+  renderMaxMs: 0,
 };
 window.nanoservePage = page; // for the browser test and the curious
 
 const poolMap = new PoolMap($("pool-map"), $("tooltip"));
+page.poolMap = poolMap;
 const plots = new Plots($("plot-grid"));
 legend($("legend"));
 
@@ -125,6 +128,13 @@ function schedule() {
 // -- rendering ----------------------------------------------------------------------------------
 
 function render() {
+  const started = performance.now();
+  draw();
+  page.renders++;
+  page.renderMaxMs = Math.max(page.renderMaxMs, performance.now() - started);
+}
+
+function draw() {
   const snap = page.snapshot;
   const stale = !snap || (performance.now() - page.snapshotAt) / 1000 > STALE_S;
   renderPills(snap, stale);

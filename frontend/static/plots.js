@@ -19,8 +19,10 @@ function quantiles(get) {
   return ["p50", "p90", "p99"].map((name, i) => [name, (s) => (get(s) ? get(s)[i] : null), colors[i]]);
 }
 
+// 24-hour clock times: an AM/PM label is too wide for a plot a quarter of the page wide.
 function clock(u, splits) {
-  return splits.map((t) => new Date(t * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", second: "2-digit" }));
+  const format = { hour: "2-digit", minute: "2-digit", second: "2-digit", hour12: false };
+  return splits.map((t) => new Date(t * 1000).toLocaleTimeString([], format));
 }
 
 function pct(x) {
@@ -57,8 +59,8 @@ export class Plots {
         cursor: { drag: { x: false, y: false } },
         scales: { x: { time: true }, y: plot.range ? { range: plot.range } : { range: (u, lo, hi) => [0, Math.max(1, hi * 1.1)] } },
         axes: [
-          { stroke: "#8b95a3", grid: { stroke: "#2c323c" }, ticks: { stroke: "#2c323c" }, values: clock },
-          { stroke: "#8b95a3", grid: { stroke: "#2c323c" }, ticks: { stroke: "#2c323c" }, size: 46 },
+          { stroke: "#8b95a3", grid: { stroke: "#2c323c" }, ticks: { stroke: "#2c323c" }, values: clock, space: 70 },
+          { stroke: "#8b95a3", grid: { stroke: "#2c323c" }, ticks: { stroke: "#2c323c" }, size: 52 },
         ],
         series: [{}, ...plot.series.map(([label, , stroke]) => ({ label, stroke, width: 1.5, spanGaps: false }))],
       };

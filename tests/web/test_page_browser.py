@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import time
 
@@ -19,26 +18,12 @@ import aiohttp
 import pytest
 
 from tests.servers import start_server
+from tests.web.browser import chromium_path, screenshot
 
 pytestmark = pytest.mark.slow
 
 KEY = "page-test-key"
 PROMPTS = [f"Tell a long story about a lighthouse keeper named Keeper {i}." for i in range(8)]
-
-
-def _browser() -> str:
-    """Chromium's path and a working playwright, or skip (fail when they are required)."""
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    try:
-        import playwright.async_api  # noqa: F401
-    except ImportError:
-        path = None
-    if path is None:
-        why = "no Chromium (apt-get install chromium) or no playwright (pip install '.[test]')"
-        if os.environ.get("NANOSERVE_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"NANOSERVE_REQUIRE_BROWSER=1 but {why}")
-        pytest.skip(why)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +60,17 @@ async def _complete(session: aiohttp.ClientSession, url: str, prompt: str) -> No
             pass
 
 
+async def _stream_bytes(session: aiohttp.ClientSession, url: str, snapshots: int) -> bytes:
+    """What /page/stream sends, raw, up to its ``snapshots``-th snapshot (10 s at most)."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    raw = b""
+    async with session.get(url + "/page/stream", headers=headers) as response:
+        async with asyncio.timeout(10):
+            while raw.count(b"event: snapshot") < snapshots:
+                raw += await response.content.readuntil(b"\n\n")
+    return raw
+
+
 async def _view(page) -> dict:
     """What the page shows now: the pool map's counts, the queue rows, the health lines."""
     return await page.evaluate(
@@ -108,7 +104,7 @@ def _held(view: dict) -> int:
 async def test_the_page_shows_the_pool_queues_a_restart_and_a_chat(server, tmp_path):
     from playwright.async_api import async_playwright
 
-    executable = _browser()
+    executable = chromium_path()
     errors: list[str] = []
     async with async_playwright() as p, aiohttp.ClientSession() as session:
         browser = await p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
@@ -135,12 +131,14 @@ async def test_the_page_shows_the_pool_queues_a_restart_and_a_chat(server, tmp_p
             return _held(view) > 0 and bool(moved)
 
         await _until(page, watch, "held blocks and a request moving from waiting to running")
-        await page.screenshot(path=tmp_path / "page-under-load.png", full_page=True)
+        await screenshot(page, tmp_path, "page-under-load.png")
         assert "lighthouse" not in await page.content(), "prompt text on the page"
+        raw = await _stream_bytes(session, server.url, snapshots=3)
+        assert b"lighthouse" not in raw and b"Keeper" not in raw, "prompt text on the stream"
 
         os.kill(server.child_pid("worker"), signal.SIGKILL)
         await _until(page, lambda v: v["worker"].startswith("lost"), "the worker lost", 20)
-        await page.screenshot(path=tmp_path / "page-worker-lost.png", full_page=True)
+        await screenshot(page, tmp_path, "page-worker-lost.png")
         view = await _until(
             page,
             lambda v: v["worker"] == "ready" and _held(v) > 0,
@@ -151,7 +149,7 @@ async def test_the_page_shows_the_pool_queues_a_restart_and_a_chat(server, tmp_p
         assert view["audit"].startswith("passed"), view
         events = await page.inner_text("#event-list")
         assert "worker was lost" in events and "worker ready" in events, events
-        await page.screenshot(path=tmp_path / "page-restarted.png", full_page=True)
+        await screenshot(page, tmp_path, "page-restarted.png")
         for task in load:
             task.cancel()
         await asyncio.gather(*load, return_exceptions=True)
@@ -175,6 +173,6 @@ async def test_the_page_shows_the_pool_queues_a_restart_and_a_chat(server, tmp_p
         assert await reply.get_attribute("data-state") == "done", await reply.inner_text()
         assert (await reply.inner_text()).strip()
         assert await page.evaluate("window.chatUpdates") >= 3, "the reply did not stream"
-        await page.screenshot(path=tmp_path / "page-chat.png", full_page=True)
+        await screenshot(page, tmp_path, "page-chat.png")
         await browser.close()
     assert not errors, errors
