@@ -125,6 +125,15 @@ async def test_the_page_loads_with_a_strict_policy(server):
         assert "MIT License" in await response.text()
 
 
+async def test_the_page_and_its_stream_are_read_only(server):
+    """Nothing the page serves takes a write: every other method is refused."""
+    for path in ("/", "/page/stream", "/static/page.js"):
+        for method in ("POST", "PUT", "PATCH", "DELETE"):
+            async with server.http.request(method, server.url + path, data=b"{}") as response:
+                assert response.status == 405, (method, path)
+    assert server.streams() == 0
+
+
 @pytest.mark.frontend(api_key="first,second")
 async def test_the_stream_needs_a_key_when_keys_are_set(server):
     async with server.http.get(server.url + "/page/stream") as response:

@@ -78,6 +78,7 @@ async def _view(page) -> dict:
             map: {...document.getElementById('pool-map').dataset},
             rows: [...document.querySelectorAll('#queue-table tbody tr[data-id]')]
                 .map(tr => [tr.dataset.id, tr.dataset.state]),
+            scheduler: document.querySelector('[data-testid=scheduler]')?.textContent ?? '',
             worker: document.querySelector('[data-testid=worker]')?.textContent ?? '',
             restarts: document.querySelector('[data-testid=restarts]')?.textContent ?? '',
             audit: document.querySelector('[data-testid=audit]')?.textContent ?? '',
@@ -141,8 +142,10 @@ async def test_the_page_shows_the_pool_queues_a_restart_and_a_chat(server, tmp_p
         await screenshot(page, tmp_path, "page-worker-lost.png")
         view = await _until(
             page,
-            lambda v: v["worker"] == "ready" and _held(v) > 0,
-            "the worker back and the pool filling again",
+            # The scheduler's line is the frontend's own view (its SchedulerInfo), which
+            # must recover too: it stops naming the lost worker.
+            lambda v: v["worker"] == "ready" and v["scheduler"] == "greeted" and _held(v) > 0,
+            "the worker back, the frontend told, and the pool filling again",
             120,
         )
         assert view["restarts"].startswith("1 worker(s) lost"), view
