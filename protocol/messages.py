@@ -130,7 +130,8 @@ class StepResult(Message):
 
 
 class WorkerReady(Message):
-    """A worker announces itself and its cache geometry."""
+    """A worker announces itself and its cache geometry (of a tensor-parallel worker: the
+    geometry every rank shares, with each rank holding its share of the KV heads)."""
 
     protocol_version: int
     model_id: str
@@ -142,6 +143,7 @@ class WorkerReady(Message):
     vocab_size: int
     device: str = "cpu"
     dtype: str = "float32"
+    tensor_parallel_size: int = 1  # ranks behind this one worker (appended: no version bump)
 
 
 class Heartbeat(Message):

@@ -179,10 +179,12 @@ class WorkerSide:
         self.lost_since = None
         self._hellos.clear()
         log.info(
-            "worker ready: %s, %d blocks of %d%s",
+            "worker ready: %s, %d blocks of %d, %d rank%s%s",
             ready.model_id,
             ready.num_blocks,
             ready.block_size,
+            ready.tensor_parallel_size,
+            "s" if ready.tensor_parallel_size > 1 else "",
             f", {lost_for:.2f} s after the last one was lost" if lost_for is not None else "",
         )
         return WorkerNews(outputs=outputs, fail_reason=fail_reason, changed=True)

@@ -2,15 +2,19 @@
 
 A GGUF file is dequantized once and written, with its config, as a Hugging Face directory under
 the user's cache directory, keyed by the file's path, size and mtime; later starts read that
-directory, which takes about a second instead of ten.
+directory, which takes about a second instead of ten. The ranks of a tensor-parallel worker
+share it: the first to arrive converts under a file lock, the others wait and read it. Each rank
+reads only its ``Shard`` of every tensor.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,7 @@ import torch
 
 from protocol.model_files import ModelFiles, cache_root
 from worker.gguf_reader import Q4Tensor, check_gguf, read_gguf_tensors, read_q4_tensors
+from worker.sharding import Shard
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -32,15 +37,32 @@ class Checkpoint:
     eos_token_ids: list[int]
 
 
-def load_checkpoint(files: ModelFiles, dtype: torch.dtype, progress: bool = True) -> Checkpoint:
+def load_checkpoint(
+    files: ModelFiles,
+    dtype: torch.dtype,
+    progress: bool = True,
+    shard_of: Callable[[Any], Shard] | None = None,
+) -> Checkpoint:
     """Read config and weights, converting (and caching) a GGUF file first. ValueError on bad
-    input: a missing path, an unsupported architecture or an undequantizable tensor type."""
+    input: a missing path, an unsupported architecture or an undequantizable tensor type.
+    ``shard_of(config)`` names the part of every tensor to read (default: all of it); it is
+    asked before any weight is read, so a size that does not fit fails at once."""
     if not files.source.exists():
         raise ValueError(f"model path does not exist: {files.source}")
     directory = files.directory if files.gguf_file is None else gguf_to_hf_dir(files, progress)
     config = _load_config(directory)
-    weights = _read_safetensors(directory, dtype, progress)
+    shard = None if shard_of is None else shard_of(config)
+    weights = _read_safetensors(directory, dtype, progress, shard)
     return Checkpoint(config=config, weights=weights, eos_token_ids=_eos_ids(directory, config))
+
+
+def load_config(files: ModelFiles, progress: bool = True) -> Any:
+    """The model's transformers config alone (converting a GGUF file first, once)."""
+    if not files.source.exists():
+        raise ValueError(f"model path does not exist: {files.source}")
+    return _load_config(
+        files.directory if files.gguf_file is None else gguf_to_hf_dir(files, progress)
+    )
 
 
 def gguf_to_hf_dir(files: ModelFiles, progress: bool = True) -> Path:
@@ -51,6 +73,16 @@ def gguf_to_hf_dir(files: ModelFiles, progress: bool = True) -> Path:
     target = cache_root() / "gguf" / f"{source.stem}-{key[:16]}"
     if (target / "model.safetensors").is_file():
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another rank (or server) may be converting it now
+        if not (target / "model.safetensors").is_file():
+            _convert_gguf(files, source, target, progress)
+    return target
+
+
+def _convert_gguf(files: ModelFiles, source: Path, target: Path, progress: bool) -> None:
+    """Dequantize ``source`` into the Hugging Face directory ``target``."""
     architecture = check_gguf(source)
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -73,7 +105,6 @@ def gguf_to_hf_dir(files: ModelFiles, progress: bool = True) -> Path:
     # Rename last, so a crash mid-write never leaves a half-written cache entry behind.
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
-    return target
 
 
 def load_q4(files: ModelFiles, model_type: str, n_heads: int, n_kv_heads: int):
@@ -118,7 +149,9 @@ def _load_config(directory: Path) -> Any:
     return AutoConfig.from_pretrained(directory)
 
 
-def _read_safetensors(directory: Path, dtype: torch.dtype, progress: bool) -> dict:
+def _read_safetensors(
+    directory: Path, dtype: torch.dtype, progress: bool, shard: Shard | None
+) -> dict:
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -132,7 +165,10 @@ def _read_safetensors(directory: Path, dtype: torch.dtype, progress: bool) -> di
                 names = list(handle.keys())
                 bar.total = (bar.total or 0) + len(names)
                 for name in names:
-                    weights[name] = handle.get_tensor(name).to(dtype)
+                    if shard is None:
+                        weights[name] = handle.get_tensor(name).to(dtype)
+                    else:
+                        weights[name] = shard.read(handle, name, dtype)
                     bar.update()
     return weights
 

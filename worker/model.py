@@ -3,6 +3,11 @@ written in plain torch over a flattened batch of tokens and the paged ``KVCache`
 
 Module names mirror transformers' so a Hugging Face state dict loads as is. Classes run
 bottom-up: norm, attention, MLP, decoder layer, model.
+
+Under tensor parallelism each rank builds the model of its ``Shard`` (whole heads, a slice of
+the MLP and of the vocabulary; see ``worker.sharding``) and calls its ``Group`` where the
+partial results meet: after o_proj and down_proj (all-reduce) and after the embedding. The
+group of one (``SOLO``) makes each such call the identity.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from worker.attention import AttentionBackend, AttentionMetadata
 from worker.gguf_reader import Q4Tensor
 from worker.kv_cache import KVCache
 from worker.linear import Linear
+from worker.parallel import SOLO, Group
 from worker.rope import apply_rotary, inverse_frequencies, rope_parameters, rotary_cos_sin
+from worker.sharding import Shard
 
 # One layer's attention: q (T, n_heads, hd) and the new k/v (T, 2, n_kv, hd) -> (T, n_heads, hd).
 # The model does not care where K/V live: eager steps write them into the paged cache and attend
@@ -90,17 +97,19 @@ class Attention(nn.Module):
     """Grouped-query attention with rotary embeddings over the paged cache.
 
     Loads as transformers' q/k/v_proj, then ``fuse`` concatenates them into one (q|k|v)
-    matrix: one matmul instead of three, and one rotary call for q and k together.
+    matrix: one matmul instead of three, and one rotary call for q and k together. It holds
+    the shard's heads only; o_proj's partial sums are all-reduced over the group.
     """
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, shard: Shard, group: Group) -> None:
         super().__init__()
         d, hd = spec.hidden_size, spec.head_dim
-        self.n_heads, self.n_kv, self.head_dim = spec.n_heads, spec.n_kv_heads, hd
-        self.q_proj = Linear(d, spec.n_heads * hd, bias=spec.qkv_bias)
-        self.k_proj = Linear(d, spec.n_kv_heads * hd, bias=spec.qkv_bias)
-        self.v_proj = Linear(d, spec.n_kv_heads * hd, bias=spec.qkv_bias)
-        self.o_proj = Linear(spec.n_heads * hd, d, bias=spec.o_bias)
+        nq, nkv = shard.local_heads, shard.local_kv_heads
+        self.n_heads, self.n_kv, self.head_dim, self.group = nq, nkv, hd, group
+        self.q_proj = Linear(d, nq * hd, bias=spec.qkv_bias)
+        self.k_proj = Linear(d, nkv * hd, bias=spec.qkv_bias)
+        self.v_proj = Linear(d, nkv * hd, bias=spec.qkv_bias)
+        self.o_proj = Linear(nq * hd, d, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(hd, spec.rms_norm_eps)
             self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
@@ -124,15 +133,17 @@ class Attention(nn.Module):
         apply_rotary(qk, cos, sin, out=qk)
         kv = qkv[:, nq:].view(tokens, 2, nkv, self.head_dim)
         out = attend(qkv[:, :nq], kv)  # (T, nq, hd)
-        return self.o_proj(out.reshape(tokens, nq * self.head_dim))
+        return self.group.all_reduce(self.o_proj(out.reshape(tokens, nq * self.head_dim)))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); ``fuse`` makes gate and up one matmul."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); ``fuse`` makes gate and up one matmul. It holds the
+    shard's intermediate features; down_proj's partial sums are all-reduced over the group."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, shard: Shard, group: Group) -> None:
         super().__init__()
-        d, h, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        d, h, bias = spec.hidden_size, shard.local_intermediate, spec.mlp_bias
+        self.group = group
         self.gate_proj = Linear(d, h, bias=bias)
         self.up_proj = Linear(d, h, bias=bias)
         self.down_proj = Linear(h, d, bias=bias)
@@ -145,8 +156,8 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, intermediate) each
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # (T, hidden)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, local intermediate) each
+        return self.group.all_reduce(self.down_proj(F.silu(gate, inplace=True).mul_(up)))
 
 
 # The lm head's GGUF matrix (usually Q8_0, so two 4-bit halves) runs for one row only: twice the
@@ -164,12 +175,12 @@ _FUSED_PARTS = {  # the linears after ``fuse`` -> the checkpoint's matrices, sta
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP, each with a residual connection."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, shard: Shard, group: Group) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec)
+        self.self_attn = Attention(spec, shard, group)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, shard, group)
 
     def forward(self, x, cos, sin, attend: Attend):
         # Residuals added in place into the fresh sublayer outputs (a + b == b + a exactly).
@@ -178,23 +189,30 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaBody(nn.Module):
-    """Embedding, decoder layers and final norm (transformers' ``model.*`` names)."""
+    """Embedding (the shard's vocabulary range), decoder layers and final norm (transformers'
+    ``model.*`` names)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, shard: Shard, group: Group) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        start, end = shard.vocab_range
+        self.embed_tokens = nn.Embedding(end - start, spec.hidden_size)
+        layers = (DecoderLayer(spec, shard, group) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class LlamaModel(nn.Module):
-    """The whole causal LM: ``forward`` gives hidden states, ``logits`` the vocabulary scores."""
+    """The whole causal LM: ``forward`` gives hidden states, ``logits`` the vocabulary scores
+    (of the shard's vocabulary range)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, shard: Shard | None = None, group: Group = SOLO) -> None:
         super().__init__()
         self.spec = spec
-        self.model = LlamaBody(spec)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.shard = shard or Shard.of(spec)
+        self.group = group
+        self.model = LlamaBody(spec, self.shard, group)
+        start, end = self.shard.vocab_range
+        self.lm_head = Linear(spec.hidden_size, end - start, bias=False)
         self.register_buffer(
             "inv_freq", inverse_frequencies(spec.rope, spec.head_dim), persistent=False
         )
@@ -226,13 +244,25 @@ class LlamaModel(nn.Module):
         attention: AttentionBackend,
     ) -> torch.Tensor:
         """input_ids, positions (T,) -> hidden states (T, hidden), K/V written into ``cache``."""
-        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        x = self.embed(input_ids)  # (T, hidden)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)  # (T, 1, hd) each
         attends = [
             partial(attention.forward, layer=cache.layer(index), meta=meta, scratch=cache.scratch)
             for index in range(self.spec.num_layers)
         ]
         return self.run_layers(x, cos, sin, attends)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (T,) -> embeddings (T, hidden). Split by vocabulary, each rank embeds the
+        tokens of its range and zeros the others; the all-reduce sums one row and zeros, which
+        is exact."""
+        if self.group.size == 1:
+            return self.model.embed_tokens(input_ids)
+        start, end = self.shard.vocab_range
+        local = input_ids - start
+        outside = (local < 0) | (local >= end - start)  # (T,)
+        x = self.model.embed_tokens(local.masked_fill(outside, 0))
+        return self.group.all_reduce(x.masked_fill_(outside[:, None], 0.0))
 
     def run_layers(self, x, cos, sin, attends: list[Attend]) -> torch.Tensor:
         """Embedded tokens x (T, hidden) and their rotary cos/sin (T, 1, hd) -> final hidden
@@ -277,5 +307,6 @@ class LlamaModel(nn.Module):
         return attached
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(S, hidden) -> float32 (S, vocab)."""
+        """(S, hidden) -> float32 (S, vocab), or (S, range) of the shard's vocabulary range
+        (``Group.gather_vocab`` joins the ranges)."""
         return self.lm_head(hidden).float()

@@ -2,6 +2,10 @@
 
 The row contract (what each ``StepItem`` means for a slot's cache row) lives in ``worker.rows``;
 this class only turns a checked step into one flattened forward and one sampling call.
+
+Under tensor parallelism every rank builds a ``Worker`` over its ``Group``: each holds its shard
+of the model and its heads of the pool, and runs every step; rank 0 (the leader) first shares
+the step with the others (``worker.tp_steps``) and alone samples, from the gathered logits.
 """
 
 from __future__ import annotations
@@ -19,14 +23,16 @@ from protocol.messages import (
     StepResult,
     WorkerReady,
 )
-from worker import kernels
+from worker import kernels, tp_steps
 from worker.attention import select_backend
 from worker.config import WorkerConfig
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel, ModelSpec
+from worker.parallel import SOLO, Group
 from worker.rows import RowTable, written_blocks
 from worker.sampler import Sampler
 from worker.shapes import padded_count
+from worker.sharding import Shard
 
 _MAX_DEFAULT_LEN = 8192
 _CPU_BUDGET_CAP = 4 << 30
@@ -35,7 +41,7 @@ _CPU_BUDGET_CAP = 4 << 30
 class Worker:
     """Loads the model and sizes the cache from a ``WorkerConfig``; then ``execute`` steps."""
 
-    def __init__(self, config: WorkerConfig, progress: bool = True) -> None:
+    def __init__(self, config: WorkerConfig, progress: bool = True, group: Group = SOLO) -> None:
         from protocol.model_files import resolve_model
         from worker.loader import load_checkpoint
 
@@ -43,12 +49,14 @@ class Worker:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
+        self.group = group
         self.device = config.resolved_device
         self.dtype = getattr(torch, config.dtype)
         self.files = resolve_model(config.model)
         self.q4_linears = 0  # linears that also hold 4-bit weights for small steps
-        checkpoint = load_checkpoint(self.files, self.dtype, progress=progress)
+        checkpoint = load_checkpoint(self.files, self.dtype, progress, self._shard_of)
         self.spec = ModelSpec.from_config(checkpoint.config)
+        self.shard = Shard.of(self.spec, group.rank, group.size)
         self.eos_token_ids = checkpoint.eos_token_ids
         self.max_model_len = _max_model_len(config, checkpoint.config)
         self._load_model(checkpoint)
@@ -65,15 +73,23 @@ class Worker:
         if config.compile:
             self._compile()
 
+    def _shard_of(self, model_config) -> Shard | None:
+        """What this rank reads of every tensor (None: all of it); ValueError for a group size
+        that does not split the model's heads."""
+        if self.group.size == 1:
+            return None
+        return Shard.of(ModelSpec.from_config(model_config), self.group.rank, self.group.size)
+
     def _load_model(self, checkpoint) -> None:
-        """The model on its device; on CPU, off the generic path, in its faster weight layouts."""
+        """The model on its device; on CPU, off the generic path, in its faster weight layouts.
+        The 4-bit matrices are not sharded: a tensor-parallel rank keeps plain weights."""
         with torch.device("meta"):
-            self.model = LlamaModel(self.spec)
+            self.model = LlamaModel(self.spec, self.shard, self.group)
         self.model.load_weights(checkpoint.weights)
         self.model = self.model.to(self.device).eval()
         if self.config.generic_path or not self.model.pack_for_cpu():
             return
-        if self.dtype == torch.bfloat16 and self.config.q4_max_tokens:
+        if self.dtype == torch.bfloat16 and self.config.q4_max_tokens and self.group.size == 1:
             self._attach_q4(checkpoint.config.model_type)
 
     def _choose_kernels(self) -> None:
@@ -84,8 +100,8 @@ class Worker:
         own_argmax = self.device == "cpu" and not generic and kernels.available()
         self.sampler = Sampler(self.eos_token_ids, own_argmax=own_argmax)
         self.attention = select_backend(
-            n_heads=self.spec.n_heads,
-            n_kv_heads=self.spec.n_kv_heads,
+            n_heads=self.shard.local_heads,
+            n_kv_heads=self.shard.local_kv_heads,
             head_dim=self.spec.head_dim,
             block_size=self.config.block_size,
             dtype=self.dtype,
@@ -107,6 +123,8 @@ class Worker:
 
         if self.device != "cpu":
             raise ValueError(f"compile runs on CPU only, not on {self.device}")
+        if self.group.size > 1:
+            raise ValueError("compile runs one rank only: tensor-parallel steps run eagerly")
         if _torch_version() < (2, 13):
             raise ValueError(f"compile needs torch >= 2.13, this is {torch.__version__}")
         self.compiled = CompiledDecode(self.model, self.cache, self.attention)
@@ -117,17 +135,20 @@ class Worker:
         geometry = dict(
             num_layers=spec.num_layers,
             block_size=config.block_size,
-            n_kv_heads=spec.n_kv_heads,
+            n_kv_heads=self.shard.local_kv_heads,
             head_dim=spec.head_dim,
             dtype=self.dtype,
         )
         num_blocks = config.num_blocks
         if num_blocks is None:
-            budget = config.kv_cache_memory or _default_budget(self.device)
+            # The ranks on one host share its memory; --kv-cache-memory is each rank's own.
+            shared = _default_budget(self.device) // self.group.local_size
+            budget = config.kv_cache_memory or shared
             per_block = KVCache.bytes_per_block(**geometry)
             num_blocks = KVCache.blocks_for_budget(
                 budget, per_block, self.max_model_len, config.block_size
             )
+        num_blocks = self.group.min_int(num_blocks)  # one pool: the same block count everywhere
         return KVCache(num_blocks=num_blocks, device=self.device, **geometry)
 
     def ready(self) -> WorkerReady:
@@ -143,6 +164,7 @@ class Worker:
             vocab_size=self.spec.vocab_size,
             device=self.device,
             dtype=self.config.dtype,
+            tensor_parallel_size=self.group.size,
         )
 
     def execute(self, step: StepInput) -> StepResult:
@@ -152,6 +174,8 @@ class Worker:
     def execute_with_logits(self, step: StepInput) -> tuple[StepResult, torch.Tensor]:
         """``execute``, also returning the float32 logits (S, vocab) of the sampled items."""
         began = time.perf_counter()
+        if self.group.leader and self.group.size > 1:
+            step = tp_steps.lead(self.group, step, self.row_table)
         self.row_table.check(step, self.spec.vocab_size)
         self.row_table.release(step.released_slots)
         applied = [self.row_table.apply(item) for item in step.items]
@@ -160,6 +184,8 @@ class Worker:
         self.cache.zero_blocks([b for item in step.items for b in written_blocks(item, bs)])
         logits = self._forward(step, applied)
         sampled = [(item, row) for item, row in zip(step.items, rows, strict=True) if item.sample]
+        if logits is None:  # a rank other than the leader: it only computed its share
+            sampled = []
         draws = self.sampler.sample(logits, [row for _, row in sampled]) if sampled else []
         for (_, row), draw in zip(sampled, draws, strict=True):
             row.last_sampled = draw.token_id  # stays here: the next step may feed it back
@@ -180,9 +206,10 @@ class Worker:
         )
         return result, logits
 
-    def _forward(self, step: StepInput, applied) -> torch.Tensor:
-        """One flattened forward over every item -> logits (S, vocab) of the sampled items.
-        ``applied`` is each item's (row, tokens) from ``RowTable.apply``."""
+    def _forward(self, step: StepInput, applied) -> torch.Tensor | None:
+        """One flattened forward over every item -> logits (S, vocab) of the sampled items (on
+        the leader; None on the other ranks). ``applied`` is each item's (row, tokens) from
+        ``RowTable.apply``."""
         if not step.items:
             return torch.zeros(0, self.spec.vocab_size)
         ids, positions, last, spans = [], [], [], []
@@ -206,11 +233,29 @@ class Worker:
                 hidden = self.compiled(ids_t, pos_t, meta)  # (T, hidden)
             else:
                 hidden = self.model(ids_t, pos_t, meta, self.cache, self.attention)
-            return self.model.logits(hidden[sampled])[: len(last)].cpu()  # (S, vocab)
+            if not last:  # every rank knows it: the step is the same everywhere
+                return torch.zeros(0, self.spec.vocab_size) if self.group.leader else None
+            scores = self.model.logits(hidden[sampled])  # (S', vocab range) of this rank
+            logits = self.group.gather_vocab(scores, self.spec.vocab_size)
+            return None if logits is None else logits[: len(last)].cpu()  # (S, vocab)
 
     def reset(self) -> None:
-        """Empty every row (a new scheduler knows nothing of them, or a step was refused)."""
+        """Empty every row (a new scheduler knows nothing of them, or a step was refused); the
+        leader has every rank do the same."""
+        if self.group.leader and self.group.size > 1:
+            tp_steps.lead_reset(self.group)
         self.row_table.release(list(range(len(self.row_table.rows))))
+
+    def idle(self) -> None:
+        """Called while no step comes: the leader keeps the other ranks' collectives alive."""
+        if self.group.leader and self.group.size > 1:
+            self.group.send_message(None)
+
+    def close(self) -> None:
+        """Tell the other ranks to stop (the leader), and leave the group."""
+        if self.group.leader and self.group.size > 1:
+            tp_steps.lead_shutdown(self.group)
+        self.group.close()
 
     def rows(self) -> list[RowSummary]:
         """Every slot's row as it stands now."""
