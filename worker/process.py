@@ -36,16 +36,23 @@ log = logging.getLogger("nanoserve.worker")
 
 
 def run_worker(
-    *, config, addresses: Addresses, heartbeat_s: float = 0.5, step_delay_s: float = 0.0
+    *,
+    config,
+    addresses: Addresses,
+    heartbeat_s: float = 0.5,
+    step_delay_s: float = 0.0,
+    group=None,
 ) -> int:
     """Serve steps until Shutdown or a signal. ``config`` is a worker.config.WorkerConfig.
 
     ``step_delay_s`` slows every step down on purpose, for tests that show the scheduler keeps
-    taking requests while the worker computes.
+    taking requests while the worker computes. ``group``: rank 0's ``worker.parallel.Group``
+    when the worker is several ranks (``worker.ranks``); the others follow what this one does.
     """
+    from worker.parallel import SOLO
     from worker.worker import Worker  # torch loads here, not at import time of this module
 
-    worker = Worker(config)
+    worker = Worker(config, group=group or SOLO)
     ready = worker.ready()
     _log_ready(worker, ready)
     context = zmq.Context()
@@ -71,6 +78,7 @@ def run_worker(
     try:
         code = _serve(channel, worker, stopping, heartbeat_s, step_delay_s)
         log.info("stopped (%s)", f"signal {stopping[0]}" if stopping else "shutdown")
+        worker.close()  # the other ranks too (a failed collective raises past this instead)
         return code
     finally:
         beats.set()
@@ -91,6 +99,10 @@ def _log_ready(worker, ready: WorkerReady) -> None:
         ready.num_slots,
         ready.max_model_len,
     )
+    if ready.tensor_parallel_size > 1:
+        log.info(
+            "tensor parallel: %d ranks, each with its share of heads", ready.tensor_parallel_size
+        )
     if worker.config.generic_path:
         log.info("generic path: the code CUDA runs (plain weights, torch's argmax)")
     if worker.q4_linears:
@@ -114,6 +126,7 @@ def _serve(channel: Channel, worker, stopping: list[int], poll_s: float, delay_s
     bad = 0
     while not stopping:
         if not channel.socket.poll(int(poll_s * 1000)):
+            worker.idle()
             continue
         try:
             _, message = channel.recv()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from nanoserve.options import add_address_args, add_model_arg, addresses_from, env
 
@@ -55,12 +56,79 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         help="run on CPU exactly the code CUDA runs: torch attention, plain weights (no oneDNN "
         "packing, no 4-bit matrices), torch's argmax; none of nanoserve's own kernels",
     )
+    add_parallel_args(parser)
     group.add_argument(
         "--debug-step-delay",
         type=float,
         default=env("debug_step_delay", 0.0, float),
         help="sleep this many seconds in every step (testing only)",
     )
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """Tensor parallelism: how many ranks, which run here, and where they meet."""
+    group = parser.add_argument_group("tensor parallelism")
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=env("tensor_parallel_size", 1, int),
+        help="ranks the worker is split across (each holds a share of every layer's heads)",
+    )
+    group.add_argument(
+        "--tp-ranks",
+        default=env("tp_ranks", ""),
+        help="the ranks this host runs, e.g. 0 or 2-3 (default: all); this process runs the "
+        "first and starts the others",
+    )
+    group.add_argument(
+        "--tp-master-addr",
+        default=env("tp_master_addr", "127.0.0.1"),
+        help="rank 0's host, where its TCP store listens (default 127.0.0.1)",
+    )
+    group.add_argument(
+        "--tp-master-port",
+        type=int,
+        default=env("tp_master_port", 0, int),
+        help="the TCP store's port (default 0: any free port; ranks on several hosts need one)",
+    )
+    group.add_argument(
+        "--tp-timeout",
+        type=float,
+        default=env("tp_timeout", 3.0, float),
+        help="seconds a rank may be silent before the whole worker stops (default 3)",
+    )
+    group.add_argument(
+        "--tp-connect-timeout",
+        type=float,
+        default=env("tp_connect_timeout", 60.0, float),
+        help="seconds to wait for rank 0's store at start (default 60)",
+    )
+
+
+def parallel_config(args: argparse.Namespace):
+    """The ParallelConfig the options describe."""
+    from worker.ranks import ParallelConfig
+
+    return ParallelConfig(
+        size=args.tensor_parallel_size,
+        ranks=_ranks(args.tp_ranks),
+        master_addr=args.tp_master_addr,
+        master_port=args.tp_master_port,
+        timeout_s=args.tp_timeout,
+        connect_timeout_s=args.tp_connect_timeout,
+    )
+
+
+def _ranks(text: str) -> tuple[int, ...]:
+    """``"0,2"`` or ``"2-3"`` -> the ranks; ``""`` -> () (all)."""
+    ranks: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, _, last = part.partition("-")
+        try:
+            ranks.extend(range(int(first), int(last or first) + 1))
+        except ValueError:
+            raise ValueError(f"bad tensor parallel ranks {text!r} (want e.g. 0 or 2-3)") from None
+    return tuple(ranks)
 
 
 def _bytes(text: str) -> int:
@@ -98,8 +166,24 @@ def run(args: argparse.Namespace) -> int:
     from worker.process import run_worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
-    return run_worker(
-        config=worker_config(args),
-        addresses=addresses_from(args),
-        step_delay_s=args.debug_step_delay,
-    )
+    config, parallel = worker_config(args), parallel_config(args)
+
+    def lead(group=None) -> int:
+        return run_worker(
+            config=config,
+            addresses=addresses_from(args),
+            step_delay_s=args.debug_step_delay,
+            group=group,
+        )
+
+    if parallel.size == 1:
+        return lead()
+    from nanoserve.commands.serve import child_environment
+    from worker.ranks import run_ranks
+
+    def child(rank: int, port: int) -> tuple[list[str], dict[str, str]]:
+        env = child_environment(args)
+        env.update(NANOSERVE_TP_RANKS=str(rank), NANOSERVE_TP_MASTER_PORT=str(port))
+        return [sys.executable, "-m", "nanoserve.cli", "worker"], env
+
+    return run_ranks(config, parallel, lead, child)
