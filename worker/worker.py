@@ -141,9 +141,10 @@ class Worker:
         )
         num_blocks = config.num_blocks
         if num_blocks is None:
-            # The ranks on one host share its memory; --kv-cache-memory is each rank's own.
-            shared = _default_budget(self.device) // self.group.local_size
-            budget = config.kv_cache_memory or shared
+            # A host's CPU ranks share its RAM (each GPU rank has its own device); an explicit
+            # --kv-cache-memory is each rank's own.
+            ranks_here = self.group.local_size if self.device == "cpu" else 1
+            budget = config.kv_cache_memory or _default_budget(self.device) // ranks_here
             per_block = KVCache.bytes_per_block(**geometry)
             num_blocks = KVCache.blocks_for_budget(
                 budget, per_block, self.max_model_len, config.block_size

@@ -59,6 +59,7 @@ class RawFrontend:
         self.socket = dealer(self.context, default_addresses(run_id).frontend)
         self.socket.send(ENCODE(FrontendHello(protocol_version=PROTOCOL_VERSION, frontend_id="t")))
         self.preemptions = 0
+        self.cached_tokens = 0  # the most prompt tokens one admission found cached
 
     def beat(self) -> None:
         """A raw frontend must beat too, or the scheduler drops it as silent."""
@@ -98,6 +99,7 @@ class RawFrontend:
                 for output in message.outputs:
                     assert output.error is None, output.error
                     tokens[output.request_id] += output.new_token_ids
+                    self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
                     if output.finish_reason is not None:
                         finished.add(output.request_id)
         return [tokens[i] for i in ids]
@@ -115,7 +117,12 @@ def _run(tiny_dir: Path, log_dir: Path, size: int) -> dict:
         calm = [frontend.generate(server, [prompt])[0] for prompt in CALM]
         before = frontend.preemptions
         pressure = frontend.generate(server, PRESSURE)
-        return {"calm": calm, "pressure": pressure, "preemptions": frontend.preemptions - before}
+        return {
+            "calm": calm,
+            "pressure": pressure,
+            "preemptions": frontend.preemptions - before,
+            "cached": frontend.cached_tokens,
+        }
     finally:
         frontend.close()
         server.stop()
@@ -129,10 +136,11 @@ def solo(tiny_dir, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("size", [2, 4])
 def test_ranks_give_the_tokens_of_one(solo, tiny_dir, tmp_path, size):
     assert all(len(tokens) == MAX_TOKENS for tokens in solo["calm"] + solo["pressure"])
-    assert solo["preemptions"] > 0 and all(len(p) > BUDGET for p in PRESSURE)
+    assert solo["preemptions"] > 0 and solo["cached"] > 0
+    assert all(len(p) > BUDGET for p in PRESSURE)
     split = _run(tiny_dir, tmp_path, size)
     assert split["calm"] == solo["calm"]
     assert split["pressure"] == solo["pressure"]
-    assert split["preemptions"] > 0
+    assert split["preemptions"] > 0 and split["cached"] > 0
     log = (tmp_path / "scheduler.log").read_text()
     assert f"{size} ranks" in log
