@@ -22,7 +22,7 @@ COMMANDS = [
     "soak",
     "sweep_watermark",
 ]
-BENCH_COMMANDS = ["bench_forward", "bench_scheduler", "bench_serve"]
+BENCH_COMMANDS = ["bench_forward", "bench_scheduler", "bench_serve", "bench_tp"]
 
 
 class UserError(Exception):

@@ -73,6 +73,22 @@ def bench_forward(
 
 
 def _one(worker, dtype, batch, context, decode_steps, blocks_per_row, vocab, profile) -> BenchRow:
+    began = time.perf_counter()
+    result = worker.execute(prefill_step(batch, context, blocks_per_row, vocab))
+    prefill_s = time.perf_counter() - began
+    decoder = DecodeLoop(worker, batch, context, result)
+    decoder.step()  # warm-up: first-touch of scratch buffers
+    times = [decoder.step() for _ in range(decode_steps)]
+    breakdown = None
+    if profile:
+        breakdown = profile_steps(decoder.step, decode_steps)
+    released = StepInput(step_id=decoder.step_id + 1, items=[], released_slots=list(range(batch)))
+    worker.execute(released)
+    return BenchRow(dtype, batch, batch * context / prefill_s, statistics.median(times), breakdown)
+
+
+def prefill_step(batch: int, context: int, blocks_per_row: int, vocab: int) -> StepInput:
+    """Step 0: ``batch`` fresh rows of ``context`` seeded random tokens each, in slots 0.."""
     rng = random.Random(batch)
     items = [
         StepItem(
@@ -87,21 +103,10 @@ def _one(worker, dtype, batch, context, decode_steps, blocks_per_row, vocab, pro
         )
         for i in range(batch)
     ]
-    began = time.perf_counter()
-    result = worker.execute(StepInput(step_id=0, items=items))
-    prefill_s = time.perf_counter() - began
-    decoder = _Decoder(worker, batch, context, result)
-    decoder.step()  # warm-up: first-touch of scratch buffers
-    times = [decoder.step() for _ in range(decode_steps)]
-    breakdown = None
-    if profile:
-        breakdown = profile_steps(decoder.step, decode_steps)
-    released = StepInput(step_id=decoder.step_id + 1, items=[], released_slots=list(range(batch)))
-    worker.execute(released)
-    return BenchRow(dtype, batch, batch * context / prefill_s, statistics.median(times), breakdown)
+    return StepInput(step_id=0, items=items)
 
 
-class _Decoder:
+class DecodeLoop:
     """Feeds each row its last sampled token, one decode step per call."""
 
     def __init__(self, worker, batch: int, context: int, result) -> None:
