@@ -81,42 +81,28 @@ def run_ranks(
     follows it. ``child(rank, port)`` is the command and environment of a local rank's process.
     ``config`` is a ``worker.config.WorkerConfig``."""
     import torch
-    import torch.distributed as dist
 
     from worker.parallel import DistributedGroup
 
     rank, local = parallel.local_ranks[0], parallel.local_ranks
+    # A rank started by its host's first rank runs alone in its process, but shares the host.
+    local_size = int(os.environ.get("NANOSERVE_TP_LOCAL_SIZE", len(local)))
     device = config.resolved_device
     if len(local) > 1:  # before any rank starts: refuse a size that does not fit, convert once
         check_fits(config, parallel.size)
     store = _store(parallel, rank)
     children = [
-        _spawn(*child(other, store.port), index) for index, other in enumerate(local[1:], 1)
+        _spawn(*child(other, store.port), index, len(local))
+        for index, other in enumerate(local[1:], 1)
     ]
     try:
-        backend = "nccl" if device == "cuda" else "gloo"
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("NANOSERVE_TP_DEVICE_INDEX", "0")))
-        elif parallel.master_addr in ("127.0.0.1", "localhost"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        timeout = timedelta(seconds=max(COLLECTIVE_TIMEOUT_S, parallel.connect_timeout_s))
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=parallel.size, timeout=timeout
-        )
+        _join(parallel, rank, store, device)
         watch = Watch(parallel, rank, store.port, children)
         watch.start()
         if config.num_threads is None:  # the host's cores, shared between its ranks
-            torch.set_num_threads(max(1, torch.get_num_threads() // len(local)))
+            torch.set_num_threads(max(1, torch.get_num_threads() // local_size))
         group = DistributedGroup(
-            rank=rank, size=parallel.size, local_size=len(local), device=device, on_close=watch.stop
-        )
-        log.info(
-            "rank %d of %d joined (%s, store %s:%d)",
-            rank,
-            parallel.size,
-            backend,
-            parallel.master_addr,
-            store.port,
+            rank=rank, size=parallel.size, local_size=local_size, device=device, on_close=watch.stop
         )
         if rank == 0:
             return lead(group)
@@ -125,6 +111,25 @@ def run_ranks(
         return code
     finally:
         _end(children)
+
+
+def _join(parallel: ParallelConfig, rank: int, store, device: str) -> None:
+    """Join the process group: NCCL on this host's GPU of this rank, else gloo (on loopback
+    when every rank is here)."""
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("NANOSERVE_TP_DEVICE_INDEX", "0")))
+    elif parallel.master_addr in ("127.0.0.1", "localhost"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    timeout = timedelta(seconds=max(COLLECTIVE_TIMEOUT_S, parallel.connect_timeout_s))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=parallel.size, timeout=timeout
+    )
+    where = f"{parallel.master_addr}:{store.port}"
+    log.info("rank %d of %d joined (%s, store %s)", rank, parallel.size, backend, where)
 
 
 def check_fits(config, size: int) -> None:
@@ -190,9 +195,9 @@ def _wait_reachable(host: str, port: int, timeout_s: float) -> None:
             time.sleep(0.2)
 
 
-def _spawn(command: list[str], env: dict[str, str], index: int) -> subprocess.Popen:
+def _spawn(command: list[str], env: dict[str, str], index: int, here: int) -> subprocess.Popen:
     """Start a local rank that dies with this process (SIGKILL on its parent's death), on this
-    host's ``index``-th GPU where there are GPUs."""
+    host's ``index``-th GPU where there are GPUs; ``here`` ranks share this host."""
     parent = os.getpid()
 
     def die_with_parent() -> None:
@@ -202,6 +207,7 @@ def _spawn(command: list[str], env: dict[str, str], index: int) -> subprocess.Po
             os._exit(1)
 
     env = {**env, "NANOSERVE_TP_SPAWNED": "1", "NANOSERVE_TP_DEVICE_INDEX": str(index)}
+    env["NANOSERVE_TP_LOCAL_SIZE"] = str(here)
     return subprocess.Popen(command, env=env, preexec_fn=die_with_parent)
 
 
