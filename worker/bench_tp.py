@@ -16,9 +16,15 @@ import statistics
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from protocol.blocks import blocks_for
 from worker.parallel import SOLO, DistributedGroup
+
+if TYPE_CHECKING:
+    import torch
+
+    from worker.worker import Worker
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,7 @@ class TimedGroup(DistributedGroup):
     seconds = 0.0
     calls = 0
 
-    def all_reduce(self, x):
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         began = time.perf_counter()
         out = super().all_reduce(x)
         self.seconds += time.perf_counter() - began
@@ -111,7 +117,9 @@ def _rank(rank: int, size: int, port: int, settings: dict, queue) -> None:
         worker.close()
 
 
-def _lead(worker, group: TimedGroup, batch: int, context: int, steps: int, per_row: int):
+def _lead(
+    worker: Worker, group: TimedGroup, batch: int, context: int, steps: int, per_row: int
+) -> TpRow:
     """Rank 0's measurement: a prefill, one warm-up decode, then ``steps`` timed decodes."""
     from worker.bench import DecodeLoop, prefill_step
 

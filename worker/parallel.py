@@ -12,6 +12,8 @@ so the other ranks never sit in one collective for longer than the group's timeo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 KEEPALIVE = -1
@@ -61,7 +63,13 @@ class DistributedGroup(Group):
     where the collectives' tensors live (cpu for gloo, cuda for NCCL)."""
 
     def __init__(
-        self, *, rank: int, size: int, local_size: int, device: str, on_close=None
+        self,
+        *,
+        rank: int,
+        size: int,
+        local_size: int,
+        device: str,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.rank, self.size, self.local_size, self.device = rank, size, local_size, device
         self.on_close = on_close  # called first in ``close``: ranks leaving now are no fault

@@ -29,6 +29,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+    from worker.config import WorkerConfig
+    from worker.parallel import DistributedGroup
 
 log = logging.getLogger("nanoserve.worker")
 
@@ -72,14 +79,13 @@ class ParallelConfig:
 
 
 def run_ranks(
-    config,
+    config: WorkerConfig,
     parallel: ParallelConfig,
-    lead: Callable[[object], int],
+    lead: Callable[[DistributedGroup], int],
     child: Callable[[int, int], tuple[list[str], dict[str, str]]],
 ) -> int:
     """Run this host's first rank (starting the others): rank 0 runs ``lead(group)``, any other
-    follows it. ``child(rank, port)`` is the command and environment of a local rank's process.
-    ``config`` is a ``worker.config.WorkerConfig``."""
+    follows it. ``child(rank, port)`` is the command and environment of a local rank's process."""
     import torch
 
     from worker.parallel import DistributedGroup
@@ -113,7 +119,7 @@ def run_ranks(
         _end(children)
 
 
-def _join(parallel: ParallelConfig, rank: int, store, device: str) -> None:
+def _join(parallel: ParallelConfig, rank: int, store: TCPStore, device: str) -> None:
     """Join the process group: NCCL on this host's GPU of this rank, else gloo (on loopback
     when every rank is here)."""
     import torch
@@ -132,7 +138,7 @@ def _join(parallel: ParallelConfig, rank: int, store, device: str) -> None:
     log.info("rank %d of %d joined (%s, store %s)", rank, parallel.size, backend, where)
 
 
-def check_fits(config, size: int) -> None:
+def check_fits(config: WorkerConfig, size: int) -> None:
     """ValueError, in one line, if ``size`` ranks cannot split the model's heads evenly. It
     reads the model's config, converting a GGUF file first, so the ranks started next find the
     conversion cached."""
@@ -144,7 +150,7 @@ def check_fits(config, size: int) -> None:
     Shard.of(ModelSpec.from_config(load_config(resolve_model(config.model))), 0, size)
 
 
-def _follow(config, group) -> int:
+def _follow(config: WorkerConfig, group: DistributedGroup) -> int:
     """A rank other than 0: build its share of the worker, then follow the leader."""
     from worker.tp_steps import follow
     from worker.worker import Worker
@@ -155,7 +161,7 @@ def _follow(config, group) -> int:
     return follow(Worker(config, progress=False, group=group))
 
 
-def _store(parallel: ParallelConfig, rank: int):
+def _store(parallel: ParallelConfig, rank: int) -> TCPStore:
     """Rank 0 hosts the TCP store (on a free port when ``master_port`` is 0); the others
     connect. ValueError with one line when the store cannot be reached in time."""
     from torch.distributed import TCPStore

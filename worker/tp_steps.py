@@ -15,6 +15,7 @@ Every rank then runs the same step on identical rows, so they refuse the same st
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -28,6 +29,9 @@ from protocol.messages import (
 )
 from worker.parallel import Group
 from worker.rows import RowTable
+
+if TYPE_CHECKING:
+    from worker.worker import Worker
 
 log = logging.getLogger("nanoserve.worker")
 _ENCODER = msgspec.msgpack.Encoder()
@@ -64,10 +68,10 @@ def lead_shutdown(group: Group) -> None:
     group.send_message(_ENCODER.encode(Shutdown(reason="the leader stopped")))
 
 
-def follow(worker) -> int:
+def follow(worker: Worker) -> int:
     """A rank other than 0: run what the leader shares until it says Shutdown; returns 0. A
-    ``worker.worker.Worker`` whose group's collectives fail (a rank died, or timed out)
-    raises out of here, and the process exits."""
+    worker whose group's collectives fail (a rank died, or timed out) raises out of here, and
+    the process exits."""
     decoder = msgspec.msgpack.Decoder(SchedulerToWorker)
     group = worker.group
     while True:
