@@ -17,7 +17,7 @@ from frontend.generation import Generation, TokenLogprob
 from frontend.metrics import Metrics
 from frontend.request_parser import GenerationRequest, RequestParser
 from frontend.responses import ResponseFormatter
-from frontend.tokenizer import ChatTokenizer
+from protocol.tokenizer import ChatTokenizer
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 

@@ -11,9 +11,9 @@ from frontend.config import FrontendConfig
 from frontend.errors import ApiError
 from frontend.geometry import Geometry
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from frontend.tokenizer import ChatTokenizer
 from protocol.messages import SamplingParams
 from protocol.params import ParamError, RequestLimits, check_params
+from protocol.tokenizer import ChatTokenizer
 
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 _SEED_LIMIT = 1 << 63

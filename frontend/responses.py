@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from frontend.generation import ChoiceUpdate, TokenLogprob
-from frontend.tokenizer import ChatTokenizer
+from protocol.tokenizer import ChatTokenizer
 
 
 class ResponseFormatter:

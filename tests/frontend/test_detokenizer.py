@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from frontend.detokenizer import Detokenizer
-from frontend.tokenizer import ChatTokenizer
+from protocol.tokenizer import ChatTokenizer
 
 TEXTS = [
     "你好，世界！今天天气很好。",

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from frontend.tokenizer import ChatTokenizer
 from protocol.model_files import resolve_model
+from protocol.tokenizer import ChatTokenizer
 
 TEXTS = [
     "Hello world 123",

@@ -1,10 +1,11 @@
-"""The frontend's tokenizer: a ``tokenizers.Tokenizer`` plus the model's chat template.
+"""The model's tokenizer: a ``tokenizers.Tokenizer`` plus the model's chat template.
 
-It is loaded without transformers, because importing transformers imports torch and the API
-process must stay torch-free. A GGUF file is read with the ``gguf`` package and rebuilt as a
-byte-level BPE tokenizer, the way transformers' GGUF converter does; a Hugging Face directory
-gives ``tokenizer.json`` and ``tokenizer_config.json``. The chat template is rendered with a
-sandboxed jinja2 environment configured like transformers' ``apply_chat_template``.
+The frontend tokenizes and renders chat templates with it; the worker's grammar matchers read
+its vocabulary. It is loaded without transformers, because importing transformers imports torch
+and the API process must stay torch-free. A GGUF file is read with the ``gguf`` package and
+rebuilt as a byte-level BPE tokenizer, the way transformers' GGUF converter does; a Hugging Face
+directory gives ``tokenizer.json`` and ``tokenizer_config.json``. The chat template is rendered
+with a sandboxed jinja2 environment configured like transformers' ``apply_chat_template``.
 """
 
 from __future__ import annotations
