@@ -3,7 +3,8 @@
 Conventions (see ../docs/architecture.md):
 - every struct is ``array_like`` (encoded as a msgpack array): fields are only ever appended,
   with defaults, and never reordered, so an older peer can still decode a newer message; a field
-  removed or reordered bumps ``PROTOCOL_VERSION``;
+  removed or reordered bumps ``PROTOCOL_VERSION``, and so does a new field an older peer must not
+  ignore (``SamplingParams.grammar``: an older worker would sample unconstrained);
 - one tagged union per receiving socket (``SchedulerToWorker``, ``WorkerToScheduler``,
   ``FrontendToScheduler``, ``SchedulerToFrontend``), decoded by one typed decoder, so a message
   of the wrong type is a decode error, never a surprise;
@@ -19,7 +20,7 @@ import msgspec
 
 from protocol.params import SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 PENDING_TOKEN = -1
 """A token the scheduler has not seen yet: the one the worker sampled for this row in the

@@ -22,6 +22,9 @@ from msgspec import Meta
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for at each token
 MAX_STOP_TOKEN_IDS = 1024  # the most stop token ids one request may give
 MAX_LOGIT_BIAS = 1024  # the most tokens one request's logit_bias may bias
+# The longest grammar one request may carry. A JSON schema of a few hundred properties is tens of
+# KiB; the bound keeps a raw peer from sending the worker a grammar that compiles for seconds.
+MAX_GRAMMAR_CHARS = 256 * 1024
 
 _FLOAT_MAX = sys.float_info.max  # as an upper bound it rejects only infinity (and, like any, NaN)
 
@@ -37,6 +40,10 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_
     switch those filters off. ``logprobs is None`` returns no logprobs; ``0`` returns the
     sampled token's logprob only; ``N`` adds the top N alternatives.
     ``seed is None`` draws from the worker's own seeded generator.
+    ``grammar`` (None: unconstrained) is an llguidance grammar, the JSON text
+    ``llguidance.grammar_from`` makes (or Lark text): the worker lets through only the tokens
+    it allows, and once it is complete only EOS, which then ends the request even before
+    ``min_tokens``.
 
     Each field carries its range (every float finite): a decoder enforces them, so a message
     that breaks one never decodes; ``__init__`` does not, and ``protocol.params.check_params``
@@ -57,6 +64,7 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
     min_tokens: Annotated[int, Meta(ge=0)] = 0
+    grammar: Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,9 @@ def _check_ranges(params: SamplingParams) -> None:
             raise ParamError("params", f"invalid sampling parameters: {text}") from None
         name = SamplingParams.__struct_fields__[int(found.group(1))]
         value = getattr(params, name)
+        if name == "grammar":  # too long to quote
+            message = f"grammar must have 1 to {MAX_GRAMMAR_CHARS} characters, got {len(value)}"
+            raise ParamError(name, message) from None
         if isinstance(value, float) and not math.isfinite(value):
             raise ParamError(name, f"{name} must be a finite number, got {value}") from None
         detail = text.split(" - at ")[0]

@@ -124,7 +124,8 @@ class Request:
         or None while it goes on."""
         params = self.params
         generated = len(self.output_token_ids)
-        if generated >= params.min_tokens:
+        # A grammar lets EOS (or a stop id) through before min_tokens only once it is complete.
+        if generated >= params.min_tokens or params.grammar is not None:
             if token_id in params.stop_token_ids:
                 return "stop"
             if token_id in eos_token_ids and not params.ignore_eos:

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from protocol.params import (
+    MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_STOP_TOKEN_IDS,
     ParamError,
@@ -37,6 +38,8 @@ OUT_OF_RANGE = [
     ("stop_token_ids", [-1]),
     ("stop_token_ids", [1] * (MAX_STOP_TOKEN_IDS + 1)),
     ("min_tokens", -1),
+    ("grammar", ""),
+    ("grammar", "x" * (MAX_GRAMMAR_CHARS + 1)),
 ]
 FLOATS = ["temperature", "top_p", "min_p", "repetition_penalty"]
 FLOATS += ["presence_penalty", "frequency_penalty"]
@@ -69,6 +72,13 @@ def test_logit_bias_values_must_be_finite(value: float) -> None:
     with pytest.raises(ParamError) as raised:
         check_params(SamplingParams(logit_bias={1: value}), [1], LIMITS)
     assert raised.value.param == "logit_bias"
+
+
+def test_a_long_grammar_is_measured_not_quoted() -> None:
+    params = SamplingParams(grammar="start: " + "x" * MAX_GRAMMAR_CHARS)
+    with pytest.raises(ParamError, match=f"^grammar must have 1 to {MAX_GRAMMAR_CHARS} char"):
+        check_params(params, [1], LIMITS)
+    check_params(SamplingParams(grammar='start: "yes"'), [1], LIMITS)
 
 
 @pytest.mark.parametrize(

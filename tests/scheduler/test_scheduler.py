@@ -7,7 +7,7 @@ import pytest
 from protocol.messages import SamplingParams
 from scheduler.block_allocator import BlockAllocator
 from scheduler.errors import RequestRejected
-from scheduler.request import RequestStatus
+from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
 from tests.scheduler.conftest import GREEDY, assert_all_back, make_engine, prompts, run_to_end
 
@@ -180,3 +180,13 @@ def test_deadlock_trace_of_note_001_terminates() -> None:
     assert b.num_preemptions >= 1 and refused_by_the_reserve
     assert len(b.output_token_ids) == 15
     assert_all_back(engine)
+
+
+def test_eos_ends_a_grammar_request_even_before_min_tokens() -> None:
+    """The worker lets EOS through under min_tokens only when the grammar is complete: then
+    nothing else may follow, so EOS must end the request, not be appended to it."""
+    free = Request("free", [1, 2], SamplingParams(min_tokens=4), arrival=0)
+    bound = Request("bound", [1, 2], SamplingParams(min_tokens=4, grammar='start: "a"'), 1)
+    eos = frozenset({2})
+    assert free.stop_reason(2, eos, max_model_len=64) is None
+    assert bound.stop_reason(2, eos, max_model_len=64) == "stop"
