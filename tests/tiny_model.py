@@ -44,3 +44,24 @@ def make_tiny_llama(directory: Path, seed: int = 0, **overrides: Any) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: TINY_CONFIG's bos and eos
+
+
+def write_byte_tokenizer(directory: Path) -> Path:
+    """Write a byte-level ``tokenizer.json`` for the tiny model into ``directory``: id 0-2 are
+    the special tokens, every other id ``t`` is the byte ``t`` (no merges)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = iter(range(256, 512))
+    char = {b: chr(b) if b in printable else chr(next(shifted)) for b in range(256)}  # GPT-2's
+    vocab = {char[b]: b for b in range(len(SPECIAL_TOKENS), 256)}
+    vocab.update({name: i for i, name in enumerate(SPECIAL_TOKENS)})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory

@@ -27,6 +27,7 @@ class Row:
     seed: int = 0
     last_sampled: int | None = None  # the token a PENDING_TOKEN item feeds back
     penalty_state: object | None = None  # the sampler's running counts, built on first need
+    grammar_state: object | None = None  # its grammar's matcher (worker.grammar), likewise
 
     @property
     def output_tokens(self) -> list[int]:

@@ -1,8 +1,9 @@
 """``Sampler``: turn each sampled row's logits into a token (plus logprobs when asked).
 
-Order per row: penalties, logit_bias and min_tokens on the raw logits; then greedy rows take the
-argmax, and the others divide by temperature and keep top_k, then top_p, then min_p (as
-transformers' warpers do) before one seeded draw. Logprobs come from the RAW logits.
+Order per row: penalties, logit_bias and min_tokens on the raw logits, then the grammar's mask
+(``worker.grammar``); then greedy rows take the argmax, and the others divide by temperature and
+keep top_k, then top_p, then min_p (as transformers' warpers do) before one seeded draw.
+Logprobs come from the RAW logits, as vLLM's do by default.
 
 A seeded row draws from a generator seeded with (seed, output index), so its token depends on
 neither the rest of the batch nor on whether its cache was recomputed after a preemption.
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.grammar import PendingMasks
 from worker.rows import Row
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, index) over 64 bits
@@ -72,13 +74,19 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.own_argmax = own_argmax
 
-    def sample(self, logits: torch.Tensor, rows: list[Row]) -> list[Draw]:
-        """logits: float32 (S, vocab), one line per row -> one Draw per row."""
+    def sample(
+        self, logits: torch.Tensor, rows: list[Row], masks: PendingMasks | None = None
+    ) -> list[Draw]:
+        """logits: float32 (S, vocab), one line per row -> one Draw per row. ``masks``: the
+        grammar masks of the constrained rows among them (``GrammarMasks.start``)."""
         logits = logits.float()
         adjusted = [i for i, row in enumerate(rows) if self._needs_adjusting(row)]
-        scores = logits.clone() if adjusted else logits  # plain greedy rows need no copy
+        copy = adjusted or masks is not None
+        scores = logits.clone() if copy else logits  # plain greedy rows need no copy
         for i in adjusted:
             self._adjust(scores[i], rows[i])
+        if masks is not None:
+            masks.apply(scores, logits, rows)
         # (S,) the greedy choice of every row, in one call
         if self.own_argmax and scores.stride(-1) == 1:
             tokens = torch.ops.nanoserve.argmax(scores)

@@ -26,6 +26,7 @@ from protocol.messages import (
 from worker import kernels, tp_steps
 from worker.attention import select_backend
 from worker.config import WorkerConfig
+from worker.grammar import grammar_masks
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel, ModelSpec
 from worker.parallel import SOLO, Group
@@ -69,6 +70,7 @@ class Worker:
             seed=config.seed,
         )
         self._choose_kernels()
+        self.grammar = grammar_masks(self.files, self.spec.vocab_size, self.eos_token_ids)
         self.compiled = None
         if config.compile:
             self._compile()
@@ -183,11 +185,12 @@ class Worker:
         bs = self.config.block_size
         rows = [row for row, _ in applied]
         self.cache.zero_blocks([b for item in step.items for b in written_blocks(item, bs)])
-        logits = self._forward(step, applied)
         sampled = [(item, row) for item, row in zip(step.items, rows, strict=True) if item.sample]
-        if logits is None:  # a rank other than the leader: it only computed its share
+        if not self.group.leader:  # a rank other than the leader only computes its share
             sampled = []
-        draws = self.sampler.sample(logits, [row for _, row in sampled]) if sampled else []
+        masks = self.grammar.start([row for _, row in sampled])  # filled during the forward
+        logits = self._forward(step, applied)
+        draws = self.sampler.sample(logits, [row for _, row in sampled], masks) if sampled else []
         for (_, row), draw in zip(sampled, draws, strict=True):
             row.last_sampled = draw.token_id  # stays here: the next step may feed it back
         samples = [

@@ -1,0 +1,121 @@
+"""Grammar masks on the real worker (tiny seeded Llama, a byte-level tokenizer: id t >= 3 is
+the byte t, EOS is 2): a random model's text obeys the grammar only because of the mask, a
+matcher rebuilt from a recomputed row's tokens gives the undisturbed tokens, and a step without
+a constrained row does no mask work."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import llguidance
+import pytest
+from conftest import make_worker
+from driver import Driver, Request
+from tiny_model import write_byte_tokenizer
+
+from protocol.messages import SamplingParams
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
+
+EOS = 2
+EMAIL = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
+PROMPTS = [[1, 5 + i, 40, 77, 3 + 2 * i, 99] for i in range(6)]
+
+
+def text(tokens: list[int]) -> str:
+    return bytes(t for t in tokens if t != EOS).decode("latin-1")
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_dir, tmp_path_factory):
+    """The tiny model with a tokenizer (a copy: other tests read ``tiny_dir`` without one)."""
+    directory = tmp_path_factory.mktemp("tokenized") / "model"
+    shutil.copytree(tiny_dir, directory)
+    return make_worker(write_byte_tokenizer(directory), num_slots=16)
+
+
+def test_a_regex_is_forced_on_a_random_model(worker):
+    """Sampled at temperature 1 with a penalty and a bias towards a forbidden byte, every
+    constrained reply is an address and ends with EOS; the same draws without the grammar
+    (in the same batches) never are one: the mask is what makes them match."""
+    grammar = llguidance.grammar_from("regex", EMAIL)
+    extra = dict(temperature=1.0, max_tokens=40, repetition_penalty=1.3, logit_bias={90: 50.0})
+    bound = [
+        Request(f"g{i}", p, 40, SamplingParams(seed=i, grammar=grammar, **extra))
+        for i, p in enumerate(PROMPTS)
+    ]
+    free = [Request(f"f{i}", p, 40, SamplingParams(seed=i, **extra)) for i, p in enumerate(PROMPTS)]
+    Driver(worker).run(bound + free)
+    for request in bound:
+        assert request.output[-1] == EOS, request.output
+        assert re.fullmatch(EMAIL, text(request.output)), text(request.output)
+    assert not any(re.fullmatch(EMAIL, text(r.output)) for r in free)
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_a_recomputed_row_rebuilds_its_matcher(worker, chunk):
+    """Rows thrown away mid-reply and recomputed (in chunks) from prompt + generated tokens,
+    as after a preemption or a worker restart, give the undisturbed greedy tokens."""
+    number = {"type": "integer", "minimum": 0, "maximum": 99}
+    schema = {"type": "array", "items": number, "minItems": 4, "maxItems": 6}
+    compact = {"whitespace_flexible": False}
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=compact)
+    params = SamplingParams(temperature=0.0, max_tokens=30, grammar=grammar)
+    runs = []
+    for recompute_after in (None, 4):
+        requests = [Request(f"r{i}", p, 30, params) for i, p in enumerate(PROMPTS[:3])]
+        Driver(worker).run(requests, chunk=chunk, recompute_after=recompute_after)
+        runs.append([r.output for r in requests])
+    assert runs[0] == runs[1]
+    for output in runs[0]:
+        assert output[-1] == EOS and 4 <= len(json.loads(text(output))) <= 6
+
+
+def test_overlap_and_preemption_keep_the_grammar(worker):
+    """Through the scheduler with overlap (pending tokens fed back by the worker) and a pool so
+    small that requests are preempted and recomputed: the greedy replies equal a roomy run's,
+    each one valid and ended by EOS ("stop"), and the seeded ones valid too."""
+    grammar = llguidance.grammar_from("regex", EMAIL)
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, grammar=grammar)
+    seeded = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=30, grammar=grammar) for i in (1, 2)
+    ]
+    params = [greedy] * 4 + seeded
+    prompts = PROMPTS[: len(params)]
+    roomy = Engine.for_worker(worker, SchedulerConfig(audit=True)).generate(prompts, params)
+    small = SchedulerConfig(audit=True, num_blocks=24, watermark_blocks=0)
+    engine = Engine.for_worker(worker, small)
+    tight = engine.generate(prompts, params)
+    assert engine.scheduler.num_preemptions_total > 0
+    assert [o.new_token_ids for o in tight[:4]] == [o.new_token_ids for o in roomy[:4]]
+    for out in tight:
+        assert out.finish_reason == "stop" and out.new_token_ids[-1] == EOS
+        assert re.fullmatch(EMAIL, text(out.new_token_ids))
+
+
+def test_the_grammar_wins_over_min_tokens(worker):
+    """min_tokens bans EOS, but once "yes" or "no" is complete EOS is all the grammar allows:
+    the draw gets EOS, never a row with nothing allowed."""
+    grammar = llguidance.grammar_from("choice", '["yes", "no"]')
+    params = [
+        SamplingParams(temperature=t, seed=i, max_tokens=20, min_tokens=10, grammar=grammar)
+        for i, t in enumerate([0.0, 1.0, 1.0])
+    ]
+    requests = [Request(f"c{i}", PROMPTS[i], 20, p) for i, p in enumerate(params)]
+    Driver(worker).run(requests)
+    for request in requests:
+        assert text(request.output) in ("yes", "no") and request.output[-1] == EOS
+
+
+def test_no_mask_work_without_a_grammar(tiny_dir):
+    """Unconstrained steps never build the backend nor start a fill. A model without a
+    tokenizer cannot enforce a grammar: its constrained requests end at once with EOS."""
+    bare = make_worker(tiny_dir)  # no tokenizer.json
+    Driver(bare).run([Request("free", PROMPTS[0], 5, SamplingParams(temperature=1.0, seed=3))])
+    assert bare.grammar._backend is None and bare.grammar._unavailable is None
+    bound = Request("bound", PROMPTS[0], 5, SamplingParams(grammar='start: "a"'))
+    Driver(bare).run([bound])
+    assert bound.output == [EOS]
+    assert "tokenizer.json" in bare.grammar._unavailable

@@ -1,0 +1,131 @@
+"""``GrammarMasks``: the token masks of the rows a step samples under a grammar.
+
+The matchers live in the worker, next to the sampler: with overlap the scheduler plans step N+1
+before step N's token is known, and only the worker has sampled it. A row's matcher follows the
+row's generated tokens (``Row.output_tokens``): it is built at the row's first sample and
+advanced by every token fed back since, so a row begun again after a preemption or on a new
+worker, whose StepItem carries the prompt and every generated token, rebuilds it exactly.
+
+Per step, ``start`` hands the constrained rows to one thread, which brings their matchers up to
+date and fills their masks while the forward runs (llguidance drops the GIL); the sampler then
+calls ``PendingMasks.apply``, after penalties, logit_bias and min_tokens and before temperature,
+the filters and the draw. A step without a constrained row does no mask work at all.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker.grammar.base import GrammarBackend, Matcher
+from worker.rows import Row
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _GrammarState:
+    """A row's matcher and how many of the row's generated tokens it has consumed."""
+
+    matcher: Matcher
+    consumed: int = 0
+
+
+class PendingMasks:
+    """One step's masks, being filled; ``apply`` waits for them."""
+
+    def __init__(self, index: list[int], bitmask: np.ndarray, filled: Future, vocab: int) -> None:
+        self.index = index  # the constrained rows, as positions in the step's sampled rows
+        self.bitmask = bitmask  # (len(index), words) int32
+        self._filled = filled
+        self._vocab = vocab
+
+    def allowed(self) -> torch.Tensor:
+        """(len(index), vocab) bool: which tokens each constrained row may take next."""
+        self._filled.result()
+        bits = np.unpackbits(self.bitmask.view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(bits[:, : self._vocab]).view(torch.bool)
+
+    def apply(self, scores: torch.Tensor, logits: torch.Tensor, rows: list[Row]) -> None:
+        """Set to -inf, in ``scores`` (S, vocab), every token a constrained row's grammar forbids.
+        Where min_tokens banned all the grammar allows (EOS, once it is complete), the grammar
+        wins: those tokens come back with their raw ``logits``, so no row is left with nothing."""
+        allowed = self.allowed()
+        index = torch.tensor(self.index)
+        scores[index] = torch.where(allowed, scores[index], float("-inf"))
+        for k, i in enumerate(self.index):
+            row = rows[i]
+            generated = len(row.history) - row.prompt_len
+            if generated < row.params.min_tokens and not torch.isfinite(scores[i]).any():
+                scores[i] = torch.where(allowed[k], logits[i], float("-inf"))
+
+
+class GrammarMasks:
+    """Builds the backend on first need, keeps each row's matcher, fills and applies masks.
+
+    ``load_backend`` builds the grammar backend for the model's vocabulary; it runs once, in the
+    mask thread, when the first constrained row is sampled. If it fails (a model without a
+    tokenizer), constrained rows may only take EOS: they end at once, and the log says why.
+    """
+
+    def __init__(
+        self,
+        load_backend: Callable[[], GrammarBackend],
+        vocab_size: int,
+        eos_token_ids: list[int],
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._eos = [t for t in eos_token_ids if 0 <= t < vocab_size]
+        self._load_backend = load_backend
+        self._backend: GrammarBackend | None = None
+        self._unavailable: str | None = None  # why no backend could be built
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+
+    def start(self, rows: list[Row]) -> PendingMasks | None:
+        """Begin filling the masks of the constrained rows among ``rows`` (a step's sampled
+        rows, in order); None when none is constrained."""
+        index = [i for i, row in enumerate(rows) if row.params.grammar is not None]
+        if not index:
+            return None
+        bitmask = np.zeros((len(index), self.words), dtype=np.int32)
+        filled = self._thread.submit(self._fill, [rows[i] for i in index], bitmask)
+        return PendingMasks(index, bitmask, filled, self.vocab_size)
+
+    def _fill(self, rows: list[Row], bitmask: np.ndarray) -> None:
+        """In the mask thread: each row's matcher brought up to date, then every mask."""
+        backend = self._backend or self._build_backend()
+        if backend is None:
+            for eos in self._eos:
+                bitmask.view(np.uint32)[:, eos // 32] |= np.uint32(1 << (eos % 32))
+            return
+        matchers = [(self._matcher(row, backend), k) for k, row in enumerate(rows)]
+        backend.fill(matchers, bitmask)
+
+    @staticmethod
+    def _matcher(row: Row, backend: GrammarBackend) -> Matcher:
+        state = row.grammar_state
+        if state is None:
+            state = row.grammar_state = _GrammarState(backend.matcher(row.params.grammar))
+        new = row.history[row.prompt_len + state.consumed :]
+        if new:
+            state.matcher.consume(new)
+            state.consumed += len(new)
+        return state.matcher
+
+    def _build_backend(self) -> GrammarBackend | None:
+        if self._unavailable is not None:
+            return None
+        try:
+            self._backend = self._load_backend()
+        except Exception as exc:  # noqa: BLE001 - any failure leaves grammars unenforceable
+            self._unavailable = f"{type(exc).__name__}: {exc}"
+            log.error("grammars cannot be enforced (%s): their requests end at once", exc)
+            return None
+        log.info("grammars: %s over %d tokens", self._backend.name, self.vocab_size)
+        return self._backend
