@@ -17,6 +17,7 @@ from frontend.generation import Generation, TokenLogprob
 from frontend.metrics import Metrics
 from frontend.request_parser import GenerationRequest, RequestParser
 from frontend.responses import ResponseFormatter
+from frontend.tool_calls import ToolCallParser, finish_reason
 from protocol.tokenizer import ChatTokenizer
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -63,6 +64,7 @@ class GenerationHandler:
         if geometry is None:
             raise self.unavailable(self.client.unavailable_reason() or "not ready")
         parsed = self.parser.parse(body, chat=chat, geometry=geometry)
+        await self.parser.check_grammar(parsed)
         salt = cache_salt(request.get(TENANT), parsed.cache_salt)
         parsed = dataclasses.replace(parsed, cache_salt=salt)
         prefix = "chatcmpl" if chat else "cmpl"
@@ -103,7 +105,14 @@ class GenerationHandler:
         usage = formatter.usage(
             generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens
         )
-        body = formatter.response(texts, logprobs, reasons, usage)
+        calls = None
+        if parsed.tools is not None:  # the texts become tool calls
+            parsers = [ToolCallParser(parsed.tools.named) for _ in texts]
+            for parser, text in zip(parsers, texts, strict=True):
+                parser.feed(text)
+            calls = [parser.calls() for parser in parsers]
+            reasons = [finish_reason(r, p) for r, p in zip(reasons, parsers, strict=True)]
+        body = formatter.response(texts, logprobs, reasons, usage, calls)
         return web.Response(body=self._encoder.encode(body), content_type="application/json")
 
     async def _stream(
@@ -116,12 +125,18 @@ class GenerationHandler:
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
         usage = parsed.include_usage
+        tools = parsed.tools
+        parsers = [ToolCallParser(tools.named) for _ in range(parsed.n)] if tools else None
         try:
             if parsed.chat:
                 for index in range(parsed.n):
-                    await self._send(response, formatter.role_chunk(index, usage))
+                    await self._send(response, formatter.role_chunk(index, usage, tools is None))
             async for update in generation.updates():
-                if update.text or update.finish_reason or update.logprobs:
+                if parsers is not None:
+                    chunk = formatter.tool_chunk(update, parsers[update.index], usage)
+                    if chunk is not None:
+                        await self._send(response, chunk)
+                elif update.text or update.finish_reason or update.logprobs:
                     await self._send(response, formatter.chunk(update, usage))
             if usage:
                 tokens = (generation.prompt_tokens, generation.completion_tokens)

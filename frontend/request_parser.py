@@ -10,7 +10,10 @@ import msgspec
 from frontend.config import FrontendConfig
 from frontend.errors import ApiError
 from frontend.geometry import Geometry
+from frontend.grammar_check import GrammarChecker
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from frontend.structured import Constraint, constraint_for
+from frontend.tool_calls import ToolChoice
 from protocol.messages import SamplingParams
 from protocol.params import ParamError, RequestLimits, check_params
 from protocol.tokenizer import ChatTokenizer
@@ -34,6 +37,12 @@ class GenerationRequest:
     stop: tuple[str, ...]
     logprobs: int | None
     cache_salt: str | None = None  # the prefix cache is shared only between equal salts
+    constraint: Constraint | None = None  # the grammar of a structured reply (params.grammar)
+
+    @property
+    def tools(self) -> ToolChoice | None:
+        """The tool call its reply must be (tool_choice "required" or named), or None."""
+        return self.constraint.tools if self.constraint is not None else None
 
     def params_for(self, index: int) -> SamplingParams:
         """The params of choice ``index``: seeded requests get seed + index, so choices differ."""
@@ -63,6 +72,7 @@ class RequestParser:
         )
         self._completion = msgspec.json.Decoder(CompletionRequest)
         self._chat = msgspec.json.Decoder(ChatCompletionRequest)
+        self.grammars = GrammarChecker(tokenizer)
 
     def parse(self, body: bytes, *, chat: bool, geometry: Geometry) -> GenerationRequest:
         """Decode and validate one body; raise ApiError (400 or 404) on anything wrong."""
@@ -80,7 +90,10 @@ class RequestParser:
         self._check_prompt(prompt_ids, geometry)
         max_tokens = self._max_tokens(max_tokens, len(prompt_ids), geometry)
         params = self._sampling_params(request, max_tokens, logprobs)
-        self._check(params, prompt_ids, chat)
+        constraint = constraint_for(request, self.tokenizer.renders_tools())
+        if constraint is not None:
+            params = msgspec.structs.replace(params, grammar=constraint.grammar)
+        self._check(params, prompt_ids, chat, constraint)
         stop = self._stop_strings(request.stop)
         options = request.stream_options
         return GenerationRequest(
@@ -94,7 +107,18 @@ class RequestParser:
             stop=stop,
             logprobs=logprobs,
             cache_salt=request.cache_salt,
+            constraint=constraint,
         )
+
+    async def check_grammar(self, request: GenerationRequest) -> None:
+        """ApiError 400 unless the request's grammar compiles (off the event loop, once per
+        grammar)."""
+        if request.constraint is None:
+            return
+        param = request.constraint.param
+        error = await self.grammars.error(request.constraint.grammar)
+        if error:
+            raise _bad(f"invalid {param}: {error}", param)
 
     def _decode(self, body: bytes, chat: bool) -> Any:
         try:
@@ -208,13 +232,21 @@ class RequestParser:
             min_tokens=request.min_tokens,
         )
 
-    def _check(self, params: SamplingParams, prompt_ids: list[int], chat: bool) -> None:
+    def _check(
+        self,
+        params: SamplingParams,
+        prompt_ids: list[int],
+        chat: bool,
+        constraint: Constraint | None,
+    ) -> None:
         """The protocol's own check, the scheduler's too; its errors name the body's field."""
         try:
             check_params(params, prompt_ids, self.limits)
         except ParamError as exc:
-            param = {"prompt_token_ids": "prompt", "logprobs": _LOGPROBS[chat]}.get(exc.param)
-            raise _bad(str(exc), param or exc.param) from None
+            names = {"prompt_token_ids": "prompt", "logprobs": _LOGPROBS[chat]}
+            if constraint is not None:
+                names["grammar"] = constraint.param
+            raise _bad(str(exc), names.get(exc.param, exc.param)) from None
 
     def _stop_strings(self, stop: str | list[str] | None) -> tuple[str, ...]:
         strings = [stop] if isinstance(stop, str) else list(stop or [])

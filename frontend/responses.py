@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from frontend.generation import ChoiceUpdate, TokenLogprob
+from frontend.tool_calls import ToolCallParser, finish_reason
 from protocol.tokenizer import ChatTokenizer
 
 
@@ -35,12 +36,13 @@ class ResponseFormatter:
 
     # -- streaming ---------------------------------------------------------------------------
 
-    def role_chunk(self, index: int, include_usage: bool) -> dict[str, Any]:
-        """Chat's first chunk of a choice: the assistant role and empty content."""
+    def role_chunk(self, index: int, include_usage: bool, text: bool = True) -> dict[str, Any]:
+        """Chat's first chunk of a choice: the assistant role, and empty content (null content
+        for a reply of tool calls)."""
         return self._chunk(
             {
                 "index": index,
-                "delta": {"role": "assistant", "content": ""},
+                "delta": {"role": "assistant", "content": "" if text else None},
                 "logprobs": None,
                 "finish_reason": None,
             },
@@ -56,6 +58,21 @@ class ResponseFormatter:
         else:
             choice = {"index": update.index, "text": update.text, "logprobs": logprobs}
         choice["finish_reason"] = update.finish_reason
+        return self._chunk(choice, include_usage)
+
+    def tool_chunk(
+        self, update: ChoiceUpdate, parser: ToolCallParser, include_usage: bool
+    ) -> dict[str, Any] | None:
+        """A chat chunk of tool-call deltas: what ``update``'s text adds to the choice's calls
+        (None when it adds nothing and ends nothing)."""
+        deltas = parser.feed(update.text)
+        finish = finish_reason(update.finish_reason, parser)
+        if not deltas and finish is None and not update.logprobs:
+            return None
+        delta = {"tool_calls": [d.body() for d in deltas]} if deltas else {}
+        logprobs = self.logprobs(update.index, update.logprobs) if update.logprobs else None
+        choice = {"index": update.index, "delta": delta, "logprobs": logprobs}
+        choice["finish_reason"] = finish
         return self._chunk(choice, include_usage)
 
     def _chunk(self, choice: dict[str, Any], include_usage: bool) -> dict[str, Any]:
@@ -82,13 +99,18 @@ class ResponseFormatter:
         logprobs: list[list[TokenLogprob]] | None,
         finish_reasons: list[str | None],
         usage: dict[str, Any],
+        tool_calls: list[list[dict[str, Any]]] | None = None,
     ) -> dict[str, Any]:
-        """The non-streaming response with every choice."""
+        """The non-streaming response with every choice; ``tool_calls``: each chat choice's
+        calls, when its text is tool calls (then its content is null)."""
         body = self._envelope("chat.completion" if self.chat else "text_completion")
         choices = []
         for index, text in enumerate(texts):
             lp = self.logprobs(index, logprobs[index]) if logprobs is not None else None
-            if self.chat:
+            if self.chat and tool_calls is not None:
+                message = {"role": "assistant", "content": None, "tool_calls": tool_calls[index]}
+                choice = {"index": index, "message": message}
+            elif self.chat:
                 choice = {"index": index, "message": {"role": "assistant", "content": text}}
             else:
                 choice = {"index": index, "text": text}

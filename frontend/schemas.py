@@ -6,7 +6,7 @@ checked afterwards by ``RequestParser``.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -18,6 +18,33 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     """``stream_options``: ask for a final chunk that carries usage."""
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """``response_format.json_schema``: the schema a reply must follow. ``strict`` closes every
+    object the schema leaves open (``additionalProperties: false``)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True):
+    """vLLM's ``structured_outputs``: exactly one of a JSON schema (an object or its text), a
+    regular expression, a list of choices, or a Lark or EBNF (GBNF) grammar."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -43,6 +70,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: CacheSalt | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -68,6 +97,33 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     name: str | None = None
 
 
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    """A tool's function: its name and the JSON schema of its arguments."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    """One entry of ``tools``; only ``{"type": "function"}`` tools exist."""
+
+    type: str
+    function: FunctionDefinition
+
+
+class FunctionName(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """``tool_choice`` naming the one function the reply must call."""
+
+    type: str
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     """POST /v1/chat/completions."""
 
@@ -75,3 +131,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True

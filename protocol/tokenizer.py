@@ -56,6 +56,12 @@ class ChatTokenizer:
         )
         return self.encode(text)
 
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows the model a request's ``tools`` at all."""
+        if self.chat_template is None:
+            return False
+        return _renders_tools(self.chat_template, self.bos_token, self.eos_token)
+
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (for logprobs); partial UTF-8 shows as U+FFFD."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -162,6 +168,32 @@ def _compiled_template(source: str) -> Any:
         env.globals["raise_exception"] = raise_exception
         _TEMPLATES[source] = env.from_string(source)
     return _TEMPLATES[source]
+
+
+_RENDERS_TOOLS: dict[str, bool] = {}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "nanoserve_probe", "description": "probe", "parameters": {}},
+}
+
+
+def _renders_tools(source: str, bos: str, eos: str) -> bool:
+    """Render a one-message conversation with a probe tool: does its name show? (Once per
+    template.)"""
+    if source not in _RENDERS_TOOLS:
+        messages = [{"role": "user", "content": "hi"}]
+        try:
+            text = _compiled_template(source).render(
+                messages=messages,
+                tools=[_PROBE_TOOL],
+                add_generation_prompt=True,
+                bos_token=bos,
+                eos_token=eos,
+            )
+        except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
+            text = ""
+        _RENDERS_TOOLS[source] = "nanoserve_probe" in text
+    return _RENDERS_TOOLS[source]
 
 
 _BYTE_DECODER: dict[str, int] = {}
