@@ -41,6 +41,21 @@ MIRRORED = (
         "messages_during_step_total",
     ),
     (
+        "nanoserve:grammar_masked_tokens_total",
+        "Tokens the worker sampled under a grammar (structured outputs, tool calls)",
+        "grammar_tokens_total",
+    ),
+    (
+        "nanoserve:grammar_mask_fill_seconds_total",
+        "Seconds the worker's mask thread spent on grammar masks, beside the forward",
+        "grammar_fill_s_total",
+    ),
+    (
+        "nanoserve:grammar_mask_apply_seconds_total",
+        "Seconds the worker's sampler spent waiting for and applying grammar masks",
+        "grammar_apply_s_total",
+    ),
+    (
         "nanoserve:worker_busy_seconds_total",
         "Seconds the worker spent in steps",
         "worker_busy_s_total",

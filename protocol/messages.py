@@ -128,6 +128,11 @@ class StepResult(Message):
     forward_s: float = 0.0
     error: str | None = None
     resident_bytes: int = 0  # the worker process's resident memory after the step (0: unknown)
+    # Grammar masks (worker.grammar): the constrained rows sampled, the mask thread's time
+    # (hidden behind the forward), and the sampler's time waiting for and applying the masks.
+    grammar_rows: int = 0
+    grammar_fill_s: float = 0.0
+    grammar_apply_s: float = 0.0
 
 
 class WorkerReady(Message):
@@ -226,6 +231,9 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     - ``workers_lost_total``, ``frontends_lost_total``: peers given up on (closed, or silent).
     - ``steps_in_flight``: steps sent and not yet answered (2 while overlap runs ahead).
     - ``worker_resident_bytes``: the worker process's resident memory after its last step.
+    - ``grammar_tokens_total``: tokens sampled under a grammar; ``grammar_fill_s_total``: the
+      worker's time filling their masks (beside the forward); ``grammar_apply_s_total``: its
+      time waiting for and applying them (in the step's path).
     """
 
     num_running: int = 0
@@ -245,6 +253,9 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     worker_resident_bytes: int = 0
     prefix_cache_queries: int = 0  # tokens of admitted requests (every admission counted)
     prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
+    grammar_tokens_total: int = 0
+    grammar_fill_s_total: float = 0.0
+    grammar_apply_s_total: float = 0.0
 
 
 class Outputs(Message):

@@ -79,6 +79,7 @@ class Engine:
         self._next_step_id = 0
         self._steps_applied = 0
         self._busy_s = 0.0
+        self._grammar = (0, 0.0, 0.0)  # tokens, fill seconds, apply seconds (EngineStats)
 
     @classmethod
     def for_worker(
@@ -185,6 +186,12 @@ class Engine:
         batch, _ = self._in_flight.popleft()
         self._steps_applied += 1
         self._busy_s += result.forward_s
+        tokens, fill, apply = self._grammar
+        self._grammar = (
+            tokens + result.grammar_rows,
+            fill + result.grammar_fill_s,
+            apply + result.grammar_apply_s,
+        )
         samples = {s.request_id: s for s in result.samples}
         outputs = []
         for chunk in batch.chunks:
@@ -283,4 +290,7 @@ class Engine:
             steps_in_flight=len(self._in_flight),
             prefix_cache_queries=s.cache.queries,
             prefix_cache_hits=s.cache.hits,
+            grammar_tokens_total=self._grammar[0],
+            grammar_fill_s_total=self._grammar[1],
+            grammar_apply_s_total=self._grammar[2],
         )

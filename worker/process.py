@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 
+import msgspec
 import zmq
 
 from protocol.addresses import Addresses
@@ -184,13 +185,7 @@ def _execute(worker, step: StepInput) -> StepResult:
         worker.reset()  # the rows may be half-updated: drop them all, the scheduler recomputes
         return StepResult(step_id=step.step_id, samples=[], error=str(exc))
     elapsed = time.perf_counter() - started
-    return StepResult(
-        step_id=result.step_id,
-        samples=result.samples,
-        rows=result.rows,
-        forward_s=elapsed,
-        resident_bytes=resident_bytes(),
-    )
+    return msgspec.structs.replace(result, forward_s=elapsed, resident_bytes=resident_bytes())
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -207,6 +207,9 @@ class Worker:
             samples=samples,
             rows=self.rows() if step.audit else None,
             forward_s=time.perf_counter() - began,
+            grammar_rows=len(masks.index) if masks else 0,
+            grammar_fill_s=masks.fill_s if masks else 0.0,
+            grammar_apply_s=masks.apply_s if masks else 0.0,
         )
         return result, logits
 

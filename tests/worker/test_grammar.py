@@ -84,7 +84,11 @@ def test_overlap_and_preemption_keep_the_grammar(worker):
     ]
     params = [greedy] * 4 + seeded
     prompts = PROMPTS[: len(params)]
-    roomy = Engine.for_worker(worker, SchedulerConfig(audit=True)).generate(prompts, params)
+    roomy_engine = Engine.for_worker(worker, SchedulerConfig(audit=True))
+    roomy = roomy_engine.generate(prompts, params)
+    stats = roomy_engine.stats()  # every sampled token was masked (overlap adds surplus rows)
+    assert stats.grammar_tokens_total >= sum(len(o.new_token_ids) for o in roomy)
+    assert stats.grammar_fill_s_total > 0 and stats.grammar_apply_s_total > 0
     small = SchedulerConfig(audit=True, num_blocks=24, watermark_blocks=0)
     engine = Engine.for_worker(worker, small)
     tight = engine.generate(prompts, params)

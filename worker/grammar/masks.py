@@ -15,6 +15,7 @@ the filters and the draw. A step without a constrained row does no mask work at 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,8 +43,15 @@ class PendingMasks:
     def __init__(self, index: list[int], bitmask: np.ndarray, filled: Future, vocab: int) -> None:
         self.index = index  # the constrained rows, as positions in the step's sampled rows
         self.bitmask = bitmask  # (len(index), words) int32
-        self._filled = filled
+        self._filled = filled  # its result: the mask thread's seconds
         self._vocab = vocab
+        self.apply_s = 0.0  # the sampler's seconds waiting for and applying the masks
+
+    @property
+    def fill_s(self) -> float:
+        """The mask thread's seconds for this step (matchers brought up to date, masks filled),
+        once ``apply`` has waited for them."""
+        return self._filled.result() if self._filled.done() else 0.0
 
     def allowed(self) -> torch.Tensor:
         """(len(index), vocab) bool: which tokens each constrained row may take next."""
@@ -55,6 +63,7 @@ class PendingMasks:
         """Set to -inf, in ``scores`` (S, vocab), every token a constrained row's grammar forbids.
         Where min_tokens banned all the grammar allows (EOS, once it is complete), the grammar
         wins: those tokens come back with their raw ``logits``, so no row is left with nothing."""
+        began = time.perf_counter()
         allowed = self.allowed()
         index = torch.tensor(self.index)
         scores[index] = torch.where(allowed, scores[index], float("-inf"))
@@ -63,6 +72,7 @@ class PendingMasks:
             generated = len(row.history) - row.prompt_len
             if generated < row.params.min_tokens and not torch.isfinite(scores[i]).any():
                 scores[i] = torch.where(allowed[k], logits[i], float("-inf"))
+        self.apply_s = time.perf_counter() - began
 
 
 class GrammarMasks:
@@ -97,15 +107,18 @@ class GrammarMasks:
         filled = self._thread.submit(self._fill, [rows[i] for i in index], bitmask)
         return PendingMasks(index, bitmask, filled, self.vocab_size)
 
-    def _fill(self, rows: list[Row], bitmask: np.ndarray) -> None:
-        """In the mask thread: each row's matcher brought up to date, then every mask."""
+    def _fill(self, rows: list[Row], bitmask: np.ndarray) -> float:
+        """In the mask thread: each row's matcher brought up to date, then every mask; returns
+        the seconds it took."""
+        began = time.perf_counter()
         backend = self._backend or self._build_backend()
         if backend is None:
             for eos in self._eos:
                 bitmask.view(np.uint32)[:, eos // 32] |= np.uint32(1 << (eos % 32))
-            return
+            return time.perf_counter() - began
         matchers = [(self._matcher(row, backend), k) for k, row in enumerate(rows)]
         backend.fill(matchers, bitmask)
+        return time.perf_counter() - began
 
     @staticmethod
     def _matcher(row: Row, backend: GrammarBackend) -> Matcher:
