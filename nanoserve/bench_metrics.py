@@ -113,7 +113,23 @@ def worker_busy_seconds(metrics_text: str) -> tuple[str, float] | None:
 # What a scrape collects: the worker's busy seconds, the scheduler's own busy seconds (planning
 # and applying, not waiting on the worker) and the steps it ran, for its work per iteration, and
 # the worker's resident memory, to show it flat over a run.
-SCRAPED = ("worker_busy", "scheduler_busy", "num_steps", "worker_resident_memory")
+SCRAPED = (
+    "worker_busy",
+    "scheduler_busy",
+    "num_steps",
+    "worker_resident_memory",
+    "grammar_masked_tokens",
+    "grammar_mask_fill",
+    "grammar_mask_apply",
+)
+
+
+def us_per_grammar_token(before: dict, after: dict, seconds: str) -> float | None:
+    """Microseconds of a grammar-mask counter (``grammar_mask_fill`` or ``grammar_mask_apply``)
+    per token sampled under a grammar over the run; None without the metrics or such tokens."""
+    spent = busy_delta(before.get(seconds), after.get(seconds))
+    tokens = busy_delta(before.get("grammar_masked_tokens"), after.get("grammar_masked_tokens"))
+    return None if spent is None or not tokens else spent * 1e6 / tokens
 
 
 def mib(scraped: tuple[str, float] | None) -> float | None:

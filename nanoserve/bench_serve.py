@@ -33,6 +33,7 @@ from nanoserve.bench_metrics import (
     scheduler_ms_per_step,
     scrape_counter,
     summarize,
+    us_per_grammar_token,
 )
 from nanoserve.cli import UserError
 
@@ -283,6 +284,8 @@ class BenchServe:
             "scheduler_ms_per_step": scheduler_ms_per_step(before, after),
             "worker_rss_mib_start": mib(before.get("worker_resident_memory")),
             "worker_rss_mib_end": mib(after.get("worker_resident_memory")),
+            "grammar_fill_us_per_token": us_per_grammar_token(before, after, "grammar_mask_fill"),
+            "grammar_apply_us_per_token": us_per_grammar_token(before, after, "grammar_mask_apply"),
         }
 
     async def _load(self, session: aiohttp.ClientSession, model: str) -> dict[str, object]:

@@ -72,6 +72,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     work.add_argument(
         "--extra-body", type=_json_object, default={}, help="JSON merged into each request"
     )
+    work.add_argument(
+        "--structured",
+        choices=("json-schema",),
+        help="run the load twice, unconstrained then every request under a JSON schema, and "
+        "compare output tok/s (with the worker's mask time per token)",
+    )
     load = p.add_argument_group("load")
     load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
     load.add_argument("--request-rate", type=float, default=math.inf, help="Poisson req/s")
@@ -155,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
         else f"{config.num_prompts} requests"
     )
     print(f"bench serve: {what} to {config.endpoint_url}", file=table_out)
+    if args.structured:
+        return _run_structured(args, config, table_out)
     report = _run_async(BenchServe(config).run())
     print(format_table(report), file=table_out)
     if args.json:
@@ -164,6 +172,22 @@ def run(args: argparse.Namespace) -> int:
         else:
             _write(args.json, text)
     return 0 if report["completed"] else 1
+
+
+def _run_structured(args: argparse.Namespace, config: object, table_out) -> int:
+    """``--structured``: both runs' tables, then the comparison (``nanoserve.bench_structured``)."""
+    from nanoserve.bench_structured import compare, format_comparison
+
+    result = _run_async(compare(config))
+    for name in ("unconstrained", "json_schema"):
+        print(f"--- {name} ---", file=table_out)
+        print(format_table(result[name]), file=table_out)
+    print(format_comparison(result), file=table_out)
+    if args.json:
+        text = json.dumps(result, indent=2) + "\n"
+        sys.stdout.write(text) if args.json == "-" else _write(args.json, text)
+    both = result["unconstrained"]["completed"] and result["json_schema"]["completed"]
+    return 0 if both else 1
 
 
 def _run_async(coro: Coroutine[object, object, dict]) -> dict:
@@ -205,6 +229,9 @@ def format_table(report: dict) -> str:
         ("Worker RSS at start (MiB):", report.get("worker_rss_mib_start")),
         ("Worker RSS at end (MiB):", report.get("worker_rss_mib_end")),
     ]
+    if report.get("grammar_fill_us_per_token") is not None:
+        rows.append(("Grammar mask fill (us/token):", report["grammar_fill_us_per_token"]))
+        rows.append(("Grammar mask wait+apply (us/token):", report["grammar_apply_us_per_token"]))
     lines = [" Serving Benchmark Result ".center(_WIDTH, "=")]
     lines += [_row(label, value) for label, value in rows]
     for key, short, title in _SECTIONS:

@@ -40,6 +40,7 @@ class StubOpenAIServer:
         self.in_flight = 0
         self.peak_in_flight = 0
         self.busy_seconds = 0.0
+        self.grammar_tokens = 0  # tokens of requests with a response_format: 8 us fill, 2 apply
         self.base_url = ""
         self._runner: web.AppRunner | None = None
 
@@ -73,6 +74,9 @@ class StubOpenAIServer:
             f"nanoserve:scheduler_busy_seconds_total {self.busy_seconds / 100}\n"
             f"nanoserve:num_steps {round(self.busy_seconds * 1000)}\n"
             f"nanoserve:worker_resident_memory_bytes {2**20 * (100 + len(self.bodies))}\n"
+            f"nanoserve:grammar_masked_tokens_total {self.grammar_tokens}\n"
+            f"nanoserve:grammar_mask_fill_seconds_total {self.grammar_tokens * 8e-6}\n"
+            f"nanoserve:grammar_mask_apply_seconds_total {self.grammar_tokens * 2e-6}\n"
         )
         return web.Response(text=text, content_type="text/plain")
 
@@ -89,6 +93,8 @@ class StubOpenAIServer:
         finally:
             self.in_flight -= 1
             self.busy_seconds += self.script.busy_per_request
+            if "response_format" in body:
+                self.grammar_tokens += body["max_tokens"]
 
     async def _stream(self, request: web.Request, body: dict) -> web.StreamResponse:
         chat = "messages" in body
