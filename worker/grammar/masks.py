@@ -65,12 +65,17 @@ class PendingMasks:
         wins: those tokens come back with their raw ``logits``, so no row is left with nothing."""
         began = time.perf_counter()
         allowed = self.allowed()
-        index = torch.tensor(self.index)
-        scores[index] = torch.where(allowed, scores[index], float("-inf"))
+        forbidden = allowed.logical_not()
+        if len(self.index) == scores.shape[0]:  # every sampled row is constrained: in place
+            scores.masked_fill_(forbidden, float("-inf"))
+        else:
+            index = torch.tensor(self.index)
+            scores[index] = scores[index].masked_fill_(forbidden, float("-inf"))
         for k, i in enumerate(self.index):
             row = rows[i]
-            generated = len(row.history) - row.prompt_len
-            if generated < row.params.min_tokens and not torch.isfinite(scores[i]).any():
+            if len(row.history) - row.prompt_len >= row.params.min_tokens:
+                continue  # min_tokens banned nothing: the mask left the grammar's tokens
+            if not torch.isfinite(scores[i]).any():
                 scores[i] = torch.where(allowed[k], logits[i], float("-inf"))
         self.apply_s = time.perf_counter() - began
 
