@@ -54,6 +54,18 @@ def snapshots(socket: zmq.Socket, seconds: float) -> list[PoolSnapshot]:
     return found
 
 
+def first_snapshot(socket: zmq.Socket, wanted, seconds: float = 20.0) -> PoolSnapshot:
+    """The first snapshot that satisfies `wanted`; a loaded CI machine may take a few frames."""
+    decoder = msgspec.msgpack.Decoder(PoolSnapshot)
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if socket.poll(int(left * 1000) + 1):
+            snapshot = decoder.decode(socket.recv())
+            if wanted(snapshot):
+                return snapshot
+    raise AssertionError(f"no snapshot satisfied the condition within {seconds} s")
+
+
 def test_snapshots_flow_only_while_subscribed(scheduler):
     process, addresses, context = scheduler
     time.sleep(0.6)
@@ -69,11 +81,13 @@ def test_snapshots_flow_only_while_subscribed(scheduler):
 
     worker = dealer(context, addresses.worker, b"raw-worker")
     worker.send(ENCODE(announcement(PROTOCOL_VERSION)))
+    # A request sent before the scheduler has read the worker's WorkerReady is refused (no
+    # worker yet); a real frontend waits for SchedulerInfo, this one for the feed to say so.
+    first_snapshot(sub, lambda snapshot: snapshot.health.worker == "ready")
     frontend = dealer(context, addresses.frontend)
     params = SamplingParams(max_tokens=4)
     frontend.send(ENCODE(AddRequest(request_id="req-1", prompt_token_ids=[5] * 20, params=params)))
-    later = snapshots(sub, 1.5)
-    last = later[-1]
+    last = first_snapshot(sub, lambda snapshot: bool(snapshot.requests))
     assert last.health.worker == "ready" and last.health.model_id == "raw"
     assert last.pool is not None and last.pool.num_blocks == 8
     (row,) = last.requests
@@ -81,6 +95,7 @@ def test_snapshots_flow_only_while_subscribed(scheduler):
     assert last.pool.runs[:3] == [2, 1, 2]  # its two blocks, held by it alone
     assert last.pool.runs[3:] == [FREE, 0, 6]
     assert any(e.kind == "worker" and "ready" in e.text for e in last.events)
+    later = snapshots(sub, 1.5)
     assert len(later) <= 1.5 / process.monitor.interval_s + 2, "more than a few per second"
 
     sub.setsockopt(zmq.UNSUBSCRIBE, b"")
