@@ -3,7 +3,8 @@
 
 No matmul can beat it, so it bounds any bfloat16 server's tokens/s here: ``scripts/compare.py``'s
 concurrency-32 load needs about 3,930 GFLOP of matmuls (docs/performance.md, "Side by side").
-Built with ``torch.utils.cpp_extension`` (needs g++); prints one line per thread count:
+Built with plain g++ into a shared library called through ctypes (no torch headers, so it
+builds in about a second); prints one line per thread count:
 
     python scripts/cpu_peak.py
 """
@@ -11,11 +12,12 @@ Built with ``torch.utils.cpp_extension`` (needs g++); prints one line per thread
 from __future__ import annotations
 
 import argparse
+import ctypes
+import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's packages
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -40,7 +42,7 @@ static void spin(long iters, float* sink) {
 }
 
 // The seconds `threads` threads take to run `iters` rounds each.
-double seconds(long iters, long threads) {
+extern "C" double seconds(long iters, long threads) {
   std::vector<float> sinks(threads);
   auto began = std::chrono::steady_clock::now();
   std::vector<std::thread> pool;
@@ -58,19 +60,18 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=20_000_000, help="rounds per thread")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     args = parser.parse_args()
-    from torch.utils import cpp_extension
-
-    from worker.kernels import put_ninja_on_path
-
-    put_ninja_on_path()
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        print("cpu_peak: needs a C++ compiler (g++)", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as build:
-        module = cpp_extension.load_inline(
-            name="cpu_peak",
-            cpp_sources=[SOURCE + "\n"],
-            functions=["seconds"],
-            extra_cflags=["-O2", "-mavx512f", "-mavx512bw", "-mavx512bf16"],
-            build_directory=build,
-        )
+        source, library = Path(build) / "cpu_peak.cpp", Path(build) / "cpu_peak.so"
+        source.write_text(SOURCE)
+        flags = ["-O2", "-shared", "-fPIC", "-pthread", "-mavx512f", "-mavx512bw", "-mavx512bf16"]
+        subprocess.run([compiler, *flags, str(source), "-o", str(library)], check=True)
+        module = ctypes.CDLL(str(library))
+        module.seconds.restype = ctypes.c_double
+        module.seconds.argtypes = (ctypes.c_long, ctypes.c_long)
         for threads in (int(t) for t in args.threads.split(",")):
             module.seconds(args.rounds // 10, threads)  # warm up: clocks settle
             elapsed = module.seconds(args.rounds, threads)
