@@ -65,6 +65,11 @@ async def test_sigkilled_worker_is_recomputed_and_streams_match(server):
     assert metrics["nanoserve:num_preemptions_total"] >= len(PROMPTS)
 
 
+# Long enough to outlive a kill after the first token and a worker's restart (float32, one
+# thread: about 50 ms a token), short enough that an undisturbed run is not the test's cost.
+LONELY_TOKENS = 160
+
+
 @pytest.fixture(scope="module")
 def lonely(tmp_path_factory: pytest.TempPathFactory):
     """A server whose worker is not supervised, and whose requests wait 30 s for a worker (a
@@ -79,7 +84,7 @@ def lonely(tmp_path_factory: pytest.TempPathFactory):
 async def _kill_worker_mid_stream(server, prompt=PROMPTS[0]) -> tuple[asyncio.Task, Stream, float]:
     session = aiohttp.ClientSession()
     stream = Stream()
-    body = {"prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": LONELY_TOKENS, "temperature": 0, "ignore_eos": True}
     task = asyncio.create_task(stream_completion(session, server, body, stream))
     task.add_done_callback(lambda _: asyncio.ensure_future(session.close()))
     await wait_until(lambda: len(stream.times) >= 1, what="first token")
@@ -93,7 +98,7 @@ async def _kill_worker_mid_stream(server, prompt=PROMPTS[0]) -> tuple[asyncio.Ta
 async def test_a_new_pool_size_carries_requests_over(lonely):
     """A default pool is sized from free memory, which differs between starts: the requests
     move to the new worker's pool and finish with the undisturbed text."""
-    body = {"prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": PROMPTS[2], "max_tokens": LONELY_TOKENS, "temperature": 0, "ignore_eos": True}
     async with aiohttp.ClientSession() as session:
         undisturbed = await stream_completion(session, lonely, body, Stream())
     task, stream, _ = await _kill_worker_mid_stream(lonely, PROMPTS[2])

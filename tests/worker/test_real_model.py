@@ -79,6 +79,7 @@ def real_generic_worker():
 
 
 SCENARIOS = ["alone", "batched", "chunked", "recompute"]
+ALONE = (0, 3, 6, 10)  # the prompts "alone" runs
 
 
 # The generic path skips "alone": it takes half a minute and runs no code that "batched" does
@@ -94,7 +95,11 @@ def test_real_greedy_matches_transformers(request, real_reference, real_prompts,
     worker = request.getfixturevalue("real_worker" if path == "default" else "real_generic_worker")
     driver = Driver(worker)
     if scenario == "alone":
-        requests = [driver.run(greedy_requests([p], MAX_NEW))[0] for p in real_prompts]
+        # A third of the prompts, one at a time (code, Chinese, emoji, a chat turn): every
+        # prompt alone took 42 s of float32 batch-1 steps and runs no other code.
+        expected = [expected[i] for i in ALONE]
+        alone = [real_prompts[i] for i in ALONE]
+        requests = [driver.run(greedy_requests([p], MAX_NEW))[0] for p in alone]
     else:
         chunk = 7 if scenario == "chunked" else None
         recompute = 20 if scenario == "recompute" else None
