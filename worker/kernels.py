@@ -17,6 +17,7 @@ keep their torch code.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
@@ -88,7 +89,8 @@ def put_ninja_on_path() -> None:
 
 
 @functools.cache  # once per process: a second library registering ``nanoserve`` would abort
-def _load() -> None:
+def _load() -> Path:
+    """Build (or find built) and load the kernels; the directory they live in."""
     from torch.utils import cpp_extension
 
     from protocol.model_files import cache_root
@@ -98,15 +100,25 @@ def _load() -> None:
     flavour = "-bf16" if uses_bf16() else ""
     build = cache_root() / "kernels" / f"torch-{torch.__version__}{flavour}"
     build.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(  # rebuilt only when a source or a flag changes (it hashes them)
-        name="nanoserve_kernels",
-        sources=[str(source) for source in SOURCES],
-        extra_cflags=cflags(),
-        build_directory=str(build),
-        is_python_module=False,
-        verbose=False,
-    )
+    # cpp_extension serializes builders with a ``lock`` file that a killed build leaves behind,
+    # and every later process then waits on it forever. An flock is released by the kernel when
+    # its holder dies: holding it, no other nanoserve process is building, so a ``lock`` found
+    # here is stale.
+    with open(build / "build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        if (build / "lock").exists():
+            log.warning("removed a kernel build's stale lock (a build was killed): %s", build)
+            (build / "lock").unlink()
+        cpp_extension.load(  # rebuilt only when a source or a flag changes (it hashes them)
+            name="nanoserve_kernels",
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=cflags(),
+            build_directory=str(build),
+            is_python_module=False,
+            verbose=False,
+        )
     _register_fakes()
+    return build
 
 
 @functools.cache

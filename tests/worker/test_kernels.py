@@ -267,3 +267,25 @@ def test_mixed_eager_steps_match_the_torch_attention(tiny_dir, monkeypatch):
         assert a.output == b.output
         worst = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
         assert worst < 0.05, worst
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the kernels built here")
+def test_a_stale_build_lock_does_not_block_the_next_load(tmp_path):
+    """A build killed mid-way leaves cpp_extension's ``lock`` file; the next process removes it
+    (under an flock no dead process can hold) instead of waiting on it forever."""
+    import shutil
+
+    built = kernels._load()  # this process's build, copied so that nothing need compile
+    cache, build = tmp_path / "cache", tmp_path / "cache" / "kernels" / built.name
+    shutil.copytree(built, build, ignore=shutil.ignore_patterns("*.flock"))
+    (build / "lock").write_text("")  # what a SIGKILLed build leaves
+    done = subprocess.run(
+        [sys.executable, "-c", "from worker import kernels; kernels._load(); print('loaded')"],
+        env={**os.environ, "NANOSERVE_CACHE_DIR": str(cache)},
+        capture_output=True,
+        text=True,
+        timeout=120,  # without the fix it waits on the lock forever
+    )
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]
+    assert "stale lock" in done.stderr
+    assert not (build / "lock").exists()
