@@ -65,3 +65,28 @@ def test_serve_passes_the_generic_path_to_its_worker(monkeypatch):
     assert child_environment(args)["NANOSERVE_GENERIC_PATH"] == "1"
     # Switches travel as 1 or 0, so one that defaults to on can be turned off.
     assert child_environment(build_parser().parse_args(["serve"]))["NANOSERVE_GENERIC_PATH"] == "0"
+
+
+def test_dtype_defaults_to_auto(monkeypatch):
+    monkeypatch.delenv("NANOSERVE_DTYPE", raising=False)
+    assert _config(monkeypatch, [], {}).dtype == "auto"
+    assert _config(monkeypatch, [], {"NANOSERVE_DTYPE": "float32"}).dtype == "float32"
+    assert _config(monkeypatch, ["--dtype", "bfloat16"], {}).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        ({"avx512f", "avx512_bf16"}, "bfloat16"),
+        ({"amx_tile", "amx_bf16"}, "bfloat16"),
+        ({"avx512f", "avx2"}, "float32"),
+        (set(), "float32"),
+    ],
+)
+def test_auto_dtype_is_bfloat16_where_the_cpu_computes_it(monkeypatch, flags, expected):
+    from worker import kernels
+    from worker.config import WorkerConfig
+
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(flags))
+    assert WorkerConfig(device="cpu").resolved_dtype == expected
+    assert WorkerConfig(device="cpu", dtype="float32").resolved_dtype == "float32"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
+# What /proc/cpuinfo calls the instructions that compute in bfloat16 natively.
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -12,7 +14,9 @@ DEVICES = ("auto", "cpu", "cuda")
 class WorkerConfig:
     """How to build a worker. ``None`` fields take a default worked out at load time.
 
-    ``model``: a model name or path for ``nanoserve.model_files.resolve_model`` (None: default).
+    ``model``: a model name or path for ``protocol.model_files.resolve_model`` (None: default).
+    ``dtype``: ``auto`` is bfloat16 where the device computes it natively (CUDA; CPUs with
+    AVX512-BF16 or AMX), else float32 (``resolved_dtype``).
     ``num_blocks`` wins over ``kv_cache_memory`` (bytes); with neither, the budget comes from
     free RAM (CPU) or free GPU memory. ``max_model_len`` defaults to the model's
     ``max_position_embeddings``, capped at 8192. ``num_threads`` sets torch's intra-op threads;
@@ -28,7 +32,7 @@ class WorkerConfig:
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
     num_blocks: int | None = None
@@ -67,6 +71,19 @@ class WorkerConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def resolved_dtype(self) -> str:
+        """``float32`` or ``bfloat16``, with ``auto`` resolved for the resolved device."""
+        if self.dtype != "auto":
+            return self.dtype
+        if self.resolved_device == "cuda":
+            import torch
+
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+        from worker.kernels import cpu_flags
+
+        return "bfloat16" if set(BF16_CPU_FLAGS) & cpu_flags() else "float32"
 
 
 def _positive(name: str, value: int) -> None:

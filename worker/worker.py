@@ -52,7 +52,7 @@ class Worker:
         self.config = config
         self.group = group
         self.device = config.resolved_device
-        self.dtype = getattr(torch, config.dtype)
+        self.dtype = getattr(torch, config.resolved_dtype)
         self.files = resolve_model(config.model)
         self.q4_linears = 0  # linears that also hold 4-bit weights for small steps
         checkpoint = load_checkpoint(self.files, self.dtype, progress, self._shard_of)
@@ -166,7 +166,7 @@ class Worker:
             eos_token_ids=list(self.eos_token_ids),
             vocab_size=self.spec.vocab_size,
             device=self.device,
-            dtype=self.config.dtype,
+            dtype=self.config.resolved_dtype,
             tensor_parallel_size=self.group.size,
         )
 

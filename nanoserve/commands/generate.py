@@ -10,6 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
+from nanoserve.options import env
+
 
 def add_worker_flags(
     p: argparse.ArgumentParser,
@@ -21,6 +23,7 @@ def add_worker_flags(
 ) -> None:
     """The model and pool-shape flags shared by generate and soak."""
     p.add_argument("--model", default=None, help="model name or path (default: SmolLM2-135M)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=env("dtype", "auto"))
     p.add_argument("--num-blocks", type=int, default=num_blocks)
     p.add_argument("--block-size", type=int, default=block_size)
     p.add_argument("--num-slots", type=int, default=num_slots)
@@ -99,6 +102,7 @@ def make_worker(args: argparse.Namespace):
 
     config = WorkerConfig(
         model=args.model,
+        dtype=args.dtype,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         num_slots=args.num_slots,

@@ -21,7 +21,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     """The worker's own options (also used by ``nanoserve serve``)."""
     group = parser.add_argument_group("worker")
-    group.add_argument("--dtype", choices=["float32", "bfloat16"], default=env("dtype", "float32"))
+    group.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default=env("dtype", "auto"),
+        help="auto: bfloat16 where the device computes it natively (CUDA, AVX512-BF16, AMX)",
+    )
     group.add_argument("--device", default=env("device", "auto"), help="auto, cpu or cuda")
     group.add_argument("--block-size", type=int, default=env("block_size", 16, int))
     group.add_argument("--num-blocks", type=int, default=env("num_blocks", None, int))

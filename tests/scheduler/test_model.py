@@ -26,7 +26,8 @@ def worker():
     from worker.config import WorkerConfig
     from worker.worker import Worker
 
-    return Worker(WorkerConfig(block_size=4, num_blocks=48, num_slots=4, seed=0), progress=False)
+    config = WorkerConfig(dtype="float32", block_size=4, num_blocks=48, num_slots=4, seed=0)
+    return Worker(config, progress=False)
 
 
 @pytest.fixture(scope="module")

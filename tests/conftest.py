@@ -1,0 +1,13 @@
+"""Settings for the whole suite.
+
+Tests compare texts across runs, batchings and pool sizes, and against transformers: float32
+makes those comparisons exact, while a bfloat16 text may change with the shape of the step it
+ran in. So every process a test starts, and every worker it builds, runs float32 unless the test
+names another dtype (the served default, ``auto``, is bfloat16 on CPUs that compute it).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NANOSERVE_DTYPE", "float32")
