@@ -9,7 +9,14 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Enum,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from protocol.messages import EngineStats
 
@@ -120,6 +127,10 @@ class Recent:
         return [values[min(len(values) - 1, int(q * len(values)))] for q in qs]
 
 
+# The worker's decode paths (EngineStats.worker_decode_path; "unknown" before its first step).
+DECODE_PATHS = ("unknown", "eager", "compiling", "compiled", "failed")
+
+
 class Metrics:
     """Every series /metrics serves, and the recent latencies the web page plots."""
 
@@ -134,6 +145,12 @@ class Metrics:
         # what the total grew, so a restarted scheduler (totals from 0) never makes them fall.
         self.counted = [(Counter(name, text, registry=r), field) for name, text, field in COUNTED]
         self._last_totals = [0] * len(COUNTED)
+        self.decode_path = Enum(
+            "nanoserve:worker_decode_path",
+            "What the worker's decode steps run on (compiling: eagerly while the graphs build)",
+            states=list(DECODE_PATHS),
+            registry=r,
+        )
         self.in_flight = Gauge(
             "nanoserve:frontend_requests_in_flight", "HTTP generation requests open", registry=r
         )
@@ -197,6 +214,8 @@ class Metrics:
 
     def observe_stats(self, stats: EngineStats) -> None:
         """Copy the scheduler's gauges, derive the cache usage, and advance its counters."""
+        path = stats.worker_decode_path
+        self.decode_path.state(path if path in DECODE_PATHS else "unknown")
         for gauge, field in self.mirrored:
             gauge.set(getattr(stats, field))
         total = stats.kv_blocks_total

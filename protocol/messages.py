@@ -133,6 +133,7 @@ class StepResult(Message):
     grammar_rows: int = 0
     grammar_fill_s: float = 0.0
     grammar_apply_s: float = 0.0
+    decode_path: str = ""  # "eager", "compiling", "compiled" or "failed" (Worker.decode_path)
 
 
 class WorkerReady(Message):
@@ -234,6 +235,8 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     - ``grammar_tokens_total``: tokens sampled under a grammar; ``grammar_fill_s_total``: the
       worker's time filling their masks (beside the forward); ``grammar_apply_s_total``: its
       time waiting for and applying them (in the step's path).
+    - ``worker_decode_path``: what the worker's decode steps run on, as its last step said:
+      "eager", "compiling" (eagerly meanwhile), "compiled", "failed" ("" before any step).
     """
 
     num_running: int = 0
@@ -256,6 +259,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     grammar_tokens_total: int = 0
     grammar_fill_s_total: float = 0.0
     grammar_apply_s_total: float = 0.0
+    worker_decode_path: str = ""
 
 
 class Outputs(Message):

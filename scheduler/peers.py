@@ -16,6 +16,7 @@ class WorkerPeer:
     ready: WorkerReady
     last_seen: float
     resident_bytes: int = 0  # after its last step
+    decode_path: str = ""  # what its decode steps run on, as its last step said
     fd: int | None = None  # the connection its messages arrive on, to match monitor events
 
 

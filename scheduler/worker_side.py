@@ -98,6 +98,7 @@ class WorkerSide:
             worker_ready=self.worker is not None,
             steps_in_flight=self.steps_in_flight,
             worker_resident_bytes=self.worker.resident_bytes if self.worker else 0,
+            worker_decode_path=self.worker.decode_path if self.worker else "",
             scheduler_busy_s_total=self.busy_s,
             bad_messages_total=self.bad_messages,
             workers_lost_total=self.workers_lost,
@@ -198,6 +199,7 @@ class WorkerSide:
             log.warning("stale result for step %d dropped", result.step_id)
             return None
         worker.resident_bytes = result.resident_bytes or worker.resident_bytes
+        worker.decode_path = result.decode_path or worker.decode_path
         started = time.perf_counter()
         if result.error is not None:
             log.error("worker refused step %d: %s; recomputing", result.step_id, result.error)

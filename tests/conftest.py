@@ -4,6 +4,9 @@ Tests compare texts across runs, batchings and pool sizes, and against transform
 makes those comparisons exact, while a bfloat16 text may change with the shape of the step it
 ran in. So every process a test starts, and every worker it builds, runs float32 unless the test
 names another dtype (the served default, ``auto``, is bfloat16 on CPUs that compute it).
+
+Compiling the real model takes minutes of CPU, so served workers do not compile unless a test
+asks (the default compiles in the background where it pays).
 """
 
 from __future__ import annotations
@@ -11,3 +14,4 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("NANOSERVE_DTYPE", "float32")
+os.environ.setdefault("NANOSERVE_COMPILE", "0")

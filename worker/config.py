@@ -25,7 +25,7 @@ class WorkerConfig:
     ``q4_max_tokens``: on CPU in bfloat16, with a GGUF whose matrices are Q4_0 or Q4_1, steps of
     at most this many tokens run on the file's own 4-bit weights (0: never).
     ``compile``: on CPU, decode-only steps of at most 32 rows run as one ``torch.compile``d graph
-    (``worker.compiled``); compiling adds minutes to the first start, less to later ones.
+    (``worker.compiled``); None: wherever it pays (CPU, off the generic path, torch >= 2.13).
     ``generic_path``: run on CPU exactly the code CUDA runs: the torch attention backend, plain
     ``F.linear`` weights (no oneDNN packing, no 4-bit matrices) and torch's argmax, none of
     ``worker.kernels``. It tests that path where there is no GPU.
@@ -42,7 +42,7 @@ class WorkerConfig:
     seed: int = 0
     num_threads: int | None = None
     q4_max_tokens: int = 8
-    compile: bool = False
+    compile: bool | None = None
     generic_path: bool = False
 
     def __post_init__(self) -> None:
@@ -58,7 +58,7 @@ class WorkerConfig:
                 _positive(name, value)
         if not isinstance(self.q4_max_tokens, int) or self.q4_max_tokens < 0:
             raise ValueError(f"q4_max_tokens must be >= 0, got {self.q4_max_tokens!r}")
-        if self.generic_path and self.compile:
+        if self.generic_path and self.compile is True:
             raise ValueError("generic_path runs what CUDA runs, and CUDA does not compile")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")

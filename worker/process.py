@@ -53,7 +53,7 @@ def run_worker(
     from worker.parallel import SOLO
     from worker.worker import Worker  # torch loads here, not at import time of this module
 
-    worker = Worker(config, group=group or SOLO)
+    worker = Worker(config, group=group or SOLO, background_compile=True)
     ready = worker.ready()
     _log_ready(worker, ready)
     context = zmq.Context()
@@ -112,13 +112,13 @@ def _log_ready(worker, ready: WorkerReady) -> None:
             worker.q4_linears,
             worker.config.q4_max_tokens,
         )
-    if worker.compiled is not None:
-        from worker.compiled import MAX_BATCH
-
+    job = worker.compile_job
+    if job is not None:
         log.info(
-            "decode steps of at most %d rows run compiled (compiled or loaded in %.1f s)",
-            MAX_BATCH,
-            worker.compiled.warm_up_s,
+            "serving eagerly while compiled decode steps are %s in the background",
+            "compiled (minutes, at the lowest CPU priority)"
+            if job.cold
+            else "loaded from the cache",
         )
 
 

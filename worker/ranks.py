@@ -86,7 +86,6 @@ def run_ranks(
 ) -> int:
     """Run this host's first rank (starting the others): rank 0 runs ``lead(group)``, any other
     follows it. ``child(rank, port)`` is the command and environment of a local rank's process."""
-    import torch
 
     from worker.parallel import DistributedGroup
 
@@ -105,8 +104,6 @@ def run_ranks(
         _join(parallel, rank, store, device)
         watch = Watch(parallel, rank, store.port, children)
         watch.start()
-        if config.num_threads is None:  # the host's cores, shared between its ranks
-            torch.set_num_threads(max(1, torch.get_num_threads() // local_size))
         group = DistributedGroup(
             rank=rank, size=parallel.size, local_size=local_size, device=device, on_close=watch.stop
         )

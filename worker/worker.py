@@ -10,6 +10,7 @@ the step with the others (``worker.tp_steps``) and alone samples, from the gathe
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -25,9 +26,11 @@ from protocol.messages import (
 )
 from worker import kernels, tp_steps
 from worker.attention import select_backend
+from worker.compiling import BackgroundCompile, compile_dir, mark_compiled, use_cache_dir
 from worker.config import WorkerConfig
 from worker.grammar import grammar_masks
 from worker.kv_cache import KVCache
+from worker.machine import default_kv_budget, usable_cpus
 from worker.model import LlamaModel, ModelSpec
 from worker.parallel import SOLO, Group
 from worker.rows import RowTable, written_blocks
@@ -35,20 +38,31 @@ from worker.sampler import Sampler
 from worker.shapes import padded_count
 from worker.sharding import Shard
 
+log = logging.getLogger("nanoserve.worker")
+
 _MAX_DEFAULT_LEN = 8192
-_CPU_BUDGET_CAP = 4 << 30
 
 
 class Worker:
     """Loads the model and sizes the cache from a ``WorkerConfig``; then ``execute`` steps."""
 
-    def __init__(self, config: WorkerConfig, progress: bool = True, group: Group = SOLO) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        progress: bool = True,
+        group: Group = SOLO,
+        background_compile: bool = False,
+    ) -> None:
+        """Load the model and size the cache. Compiled decode steps (``config.compile``; by
+        default on CPU, off the generic path) are built here, or, with ``background_compile``,
+        beside the steps: the worker runs eagerly until they are ready
+        (``worker.compiling``)."""
         from protocol.model_files import resolve_model
         from worker.loader import load_checkpoint
 
         bound_onednn_cache()
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        # By default the CPUs this process may use, shared between the host's ranks.
+        torch.set_num_threads(config.num_threads or max(1, usable_cpus() // group.local_size))
         self.config = config
         self.group = group
         self.device = config.resolved_device
@@ -72,8 +86,9 @@ class Worker:
         self._choose_kernels()
         self.grammar = grammar_masks(self.files, self.spec.vocab_size, self.eos_token_ids)
         self.compiled = None
-        if config.compile:
-            self._compile()
+        self.compile_job: BackgroundCompile | None = None
+        if self._wants_compile():
+            self._compile(background_compile)
 
     def _shard_of(self, model_config) -> Shard | None:
         """What this rank reads of every tensor (None: all of it); ValueError for a group size
@@ -120,7 +135,19 @@ class Worker:
         tensors = load_q4(self.files, model_type, self.spec.n_heads, self.spec.n_kv_heads)
         self.q4_linears = self.model.attach_q4(tensors, self.config.q4_max_tokens)
 
-    def _compile(self) -> None:
+    def _wants_compile(self) -> bool:
+        """Explicitly asked, or by default where it pays: CPU, off the generic path, on a torch
+        that compiles this graph."""
+        if self.config.compile is not None:
+            return self.config.compile
+        return (
+            self.device == "cpu"
+            and self.group.size == 1  # tensor-parallel steps run eagerly
+            and not self.config.generic_path
+            and _torch_version() >= (2, 13)
+        )
+
+    def _compile(self, background: bool) -> None:
         from worker.compiled import CompiledDecode
 
         if self.device != "cpu":
@@ -129,8 +156,26 @@ class Worker:
             raise ValueError("compile runs one rank only: tensor-parallel steps run eagerly")
         if _torch_version() < (2, 13):
             raise ValueError(f"compile needs torch >= 2.13, this is {torch.__version__}")
+        directory = compile_dir(self.config, self.files.model_id)
+        use_cache_dir(directory)
+        if background:
+            self.compile_job = BackgroundCompile(self, directory)
+            self.compile_job.start()
+            return
         self.compiled = CompiledDecode(self.model, self.cache, self.attention)
         self.compiled.warm_up()
+        mark_compiled(directory)
+
+    @property
+    def decode_path(self) -> str:
+        """What decode steps run on: "eager", "compiling" (eagerly meanwhile), "compiled" or
+        "failed" (eagerly, the graphs could not be built)."""
+        if self.compiled is not None:
+            return "compiled"
+        job = self.compile_job
+        if job is None:
+            return "eager"
+        return "compiled" if job.state == "ready" else job.state  # the next step adopts it
 
     def _make_cache(self) -> KVCache:
         spec, config = self.spec, self.config
@@ -146,7 +191,7 @@ class Worker:
             # A host's CPU ranks share its RAM (each GPU rank has its own device); an explicit
             # --kv-cache-memory is each rank's own.
             ranks_here = self.group.local_size if self.device == "cpu" else 1
-            budget = config.kv_cache_memory or _default_budget(self.device) // ranks_here
+            budget = config.kv_cache_memory or default_kv_budget(self.device) // ranks_here
             per_block = KVCache.bytes_per_block(**geometry)
             num_blocks = KVCache.blocks_for_budget(
                 budget, per_block, self.max_model_len, config.block_size
@@ -210,6 +255,7 @@ class Worker:
             grammar_rows=len(masks.index) if masks else 0,
             grammar_fill_s=masks.fill_s if masks else 0.0,
             grammar_apply_s=masks.apply_s if masks else 0.0,
+            decode_path=self.decode_path,
         )
         return result, logits
 
@@ -236,8 +282,9 @@ class Worker:
             sampled = last + last[:1] * (padded_count(len(last)) - len(last))
             ids_t = torch.tensor(ids, device=self.device)
             pos_t = torch.tensor(positions, device=self.device)
-            if self.compiled is not None and self.compiled.accepts(meta):
-                hidden = self.compiled(ids_t, pos_t, meta)  # (T, hidden)
+            compiled = self._compiled()
+            if compiled is not None and compiled.accepts(meta):
+                hidden = compiled(ids_t, pos_t, meta)  # (T, hidden)
             else:
                 hidden = self.model(ids_t, pos_t, meta, self.cache, self.attention)
             if not last:  # every rank knows it: the step is the same everywhere
@@ -245,6 +292,16 @@ class Worker:
             scores = self.model.logits(hidden[sampled])  # (S', vocab range) of this rank
             logits = self.group.gather_vocab(scores, self.spec.vocab_size)
             return None if logits is None else logits[: len(last)].cpu()  # (S, vocab)
+
+    def _compiled(self):
+        """The compiled decode step, adopting the background job's once it is ready (here, in
+        the thread that runs steps)."""
+        job = self.compile_job
+        if self.compiled is None and job is not None and job.state == "ready":
+            self.compiled = job.result
+            how = "compiled" if job.cold else "loaded from the cache"
+            log.info("decode steps run compiled from now on (%s in %.1f s)", how, job.seconds)
+        return self.compiled
 
     def reset(self) -> None:
         """Empty every row (a new scheduler knows nothing of them, or a step was refused); the
@@ -293,24 +350,3 @@ def _max_model_len(config: WorkerConfig, model_config) -> int:
             f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} positions"
         )
     return config.max_model_len
-
-
-def _default_budget(device: str) -> int:
-    """CUDA: 80% of free GPU memory (weights already loaded). CPU: a quarter of available RAM,
-    at most 4 GiB."""
-    if device == "cuda":
-        free, _ = torch.cuda.mem_get_info()
-        return int(free * 0.8)
-    available = _available_ram()
-    return min(available // 4, _CPU_BUDGET_CAP)
-
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -103,6 +103,7 @@ def make_worker(args: argparse.Namespace):
     config = WorkerConfig(
         model=args.model,
         dtype=args.dtype,
+        compile=False,  # minutes of compiling would outweigh a batch run's gain
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         num_slots=args.num_slots,

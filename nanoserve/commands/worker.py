@@ -50,9 +50,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
-        default=env("compile", False, bool),
-        help="CPU: run decode steps of at most 32 rows as one torch.compile'd graph (the first "
-        "start compiles for minutes; later starts read inductor's cache)",
+        default=env("compile", None, bool),
+        help="CPU: decode steps of at most 32 rows as one torch.compile'd graph (default: on "
+        "where it pays). The worker serves eagerly while the graphs are built in the "
+        "background (minutes the first time, seconds from the cache), then switches",
     )
     group.add_argument(
         "--generic-path",

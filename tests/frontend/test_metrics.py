@@ -5,7 +5,8 @@ from __future__ import annotations
 from frontend.metrics import COUNTED, MIRRORED, Metrics
 from protocol.messages import EngineStats
 
-DERIVED = {"kv_blocks_total"} | {field for _, _, field in COUNTED}  # cache usage; counters
+# cache usage; counters; the decode path's Enum
+DERIVED = {"kv_blocks_total", "worker_decode_path"} | {field for _, _, field in COUNTED}
 
 
 def test_every_engine_stat_is_mirrored_or_derived_once() -> None:
@@ -41,3 +42,16 @@ def test_counters_never_fall_when_the_scheduler_restarts() -> None:
     text = metrics.render().decode()
     assert "nanoserve:prefix_cache_queries_total 130.0" in text
     assert "nanoserve:prefix_cache_hits_total 70.0" in text
+
+
+def test_the_decode_path_is_one_state_of_an_enum() -> None:
+    metrics = Metrics()
+    metrics.observe_stats(EngineStats())
+    assert 'nanoserve:worker_decode_path{nanoserve_worker_decode_path="unknown"} 1.0' in (
+        metrics.render().decode()
+    )
+    metrics.observe_stats(EngineStats(worker_decode_path="compiling"))
+    metrics.observe_stats(EngineStats(worker_decode_path="compiled"))
+    text = metrics.render().decode()
+    assert 'nanoserve:worker_decode_path{nanoserve_worker_decode_path="compiled"} 1.0' in text
+    assert 'nanoserve:worker_decode_path{nanoserve_worker_decode_path="compiling"} 0.0' in text

@@ -26,7 +26,9 @@ def worker():
     from worker.config import WorkerConfig
     from worker.worker import Worker
 
-    config = WorkerConfig(dtype="float32", block_size=4, num_blocks=48, num_slots=4, seed=0)
+    config = WorkerConfig(
+        dtype="float32", compile=False, block_size=4, num_blocks=48, num_slots=4, seed=0
+    )
     return Worker(config, progress=False)
 
 

@@ -58,7 +58,9 @@ def make_worker(model: Path | str | None, **overrides):
     from worker.config import WorkerConfig
     from worker.worker import Worker
 
-    settings = dict(block_size=4, num_blocks=256, num_slots=8, num_threads=None, dtype="float32")
+    settings = dict(
+        block_size=4, num_blocks=256, num_slots=8, num_threads=None, dtype="float32", compile=False
+    )
     settings.update(overrides)
     worker = Worker(WorkerConfig(model=None if model is None else str(model), **settings), False)
     # Poison the pool: a read of a position that was never written turns the logits into NaN.

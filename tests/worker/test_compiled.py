@@ -83,3 +83,34 @@ def test_bfloat16_compiled_stays_close_to_eager(tiny_dir):
     for ours, theirs in zip(*runs, strict=True):
         # bfloat16 rounds in other places when fused (the attention here runs in float32).
         assert (torch.stack(ours.logits) - torch.stack(theirs.logits)).abs().max().item() < 0.1
+
+
+@pytest.mark.parametrize("cold", [True, False], ids=["cold", "from-cache"])
+def test_a_worker_serves_eagerly_until_its_graphs_are_built_beside_it(
+    tiny_dir, tiny_reference, compiled_worker, cold
+):
+    """Background compile: the first steps run eagerly while the graphs are built (cold: in a
+    child process at the lowest priority, then loaded; warm: only loaded), the worker switches
+    without a restart, and the tokens are transformers' throughout."""
+    from protocol.model_files import resolve_model
+    from worker.compiling import compile_dir
+    from worker.config import WorkerConfig
+    from worker.worker import Worker
+
+    model, expected = tiny_reference
+    # Each case its own cache key, told apart by q4_max_tokens (the tiny float32 model has no
+    # 4-bit weights to use it). Warm: the module's compiled worker (make_worker's settings)
+    # filled and marked this cache. Cold: a key nobody compiled.
+    config = WorkerConfig(
+        model=str(tiny_dir), block_size=4, num_blocks=256, num_slots=8, dtype="float32",
+        q4_max_tokens=3 if cold else 8, compile=True,
+    )  # fmt: skip
+    marker = compile_dir(config, resolve_model(str(tiny_dir)).model_id) / "compiled.ok"
+    assert marker.exists() is not cold
+    worker = Worker(config, progress=False, background_compile=True)
+    assert worker.compile_job.cold is cold and worker.decode_path == "compiling"
+    check(worker, model, expected, "batched")  # served now, whatever the job's progress
+    assert worker.compile_job.wait(600), worker.compile_job.error
+    assert marker.exists() and worker.decode_path == "compiled" and worker.compiled is None
+    check(worker, model, expected, "batched")  # the first step adopts the graphs
+    assert worker.decode_path == "compiled" and worker.compiled.steps > 3

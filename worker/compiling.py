@@ -1,0 +1,141 @@
+"""Compiled decode steps without a compile wall: the worker serves eagerly from its first
+second, builds the compiled graphs beside it, and switches to them when they are ready.
+
+Building the graphs cold takes minutes of CPU. It runs in a child process at the lowest CPU
+priority (``nice 19``, one thread), so serving meets it as a polite neighbour, not as a Python
+thread fighting for the worker's GIL and cores; the child only fills inductor's on-disk cache
+and writes a marker. The worker then loads the graphs from that cache in a thread of its own (a
+few seconds of tracing; its steps go on meanwhile) and publishes them with one assignment. A
+restarted worker, or the next start, finds the marker and only loads.
+
+The cache lives under ``<cache_root>/inductor/<key>``, the key naming everything that changes
+the graphs: torch's version, the model, the dtype, the 4-bit limit, the block size and the
+source of the code that is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from protocol.model_files import cache_root
+from worker.config import WorkerConfig
+
+log = logging.getLogger("nanoserve.worker")
+
+# The modules whose code the compiled graph traces: a change to any invalidates the cache.
+_TRACED = ("compiled.py", "model.py", "linear.py", "rope.py", "attention/base.py")
+_MARKER = "compiled.ok"
+
+
+def compile_dir(config: WorkerConfig, model_id: str) -> Path:
+    """Where this worker's compiled graphs are cached (see the module docstring)."""
+    source = hashlib.sha256()
+    for name in _TRACED:
+        source.update((Path(__file__).parent / name).read_bytes())
+    parts = (
+        torch.__version__,
+        model_id,
+        config.resolved_dtype,
+        str(config.q4_max_tokens),
+        str(config.block_size),
+        source.hexdigest()[:12],
+    )
+    key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+    return cache_root() / "inductor" / f"{model_id}-{config.resolved_dtype}-{key}"
+
+
+class BackgroundCompile:
+    """Builds a worker's compiled decode graphs while it serves. ``state`` is "compiling",
+    "ready" or "failed"; ``result`` holds the ``CompiledDecode`` once ready."""
+
+    def __init__(self, worker, directory: Path) -> None:
+        self.worker = worker
+        self.directory = directory
+        self.state = "compiling"
+        self.error: str | None = None
+        self.result = None
+        self.seconds = 0.0  # until ready (or failed), from start()
+        self.cold = not (directory / _MARKER).exists()
+        self._thread = threading.Thread(target=self._run, name="compile", daemon=True)
+
+    def start(self) -> None:
+        """Begin; returns at once."""
+        self._began = time.perf_counter()
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until ready or failed (tests); True when ready."""
+        self._thread.join(timeout)
+        return self.state == "ready"
+
+    def _run(self) -> None:
+        try:
+            if self.cold:
+                self._fill_cache()
+            from worker.compiled import CompiledDecode
+
+            worker = self.worker
+            compiled = CompiledDecode(worker.model, worker.cache, worker.attention)
+            compiled.warm_up()  # a cache hit: tracing and loading, not compiling
+            self.result = compiled
+            self.state = "ready"
+        except Exception as exc:  # the worker serves eagerly on; say why, once
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.state = "failed"
+            log.error("compiled decode steps failed to build (%s); steps stay eager", self.error)
+        self.seconds = time.perf_counter() - self._began
+
+    def _fill_cache(self) -> None:
+        """Compile in a child process at the lowest priority, filling the on-disk cache."""
+        config = dataclasses.replace(
+            self.worker.config,
+            num_blocks=64,  # the graphs do not depend on the pool's size
+            kv_cache_memory=None,
+            num_slots=4,
+            num_threads=1,
+            compile=True,
+        )
+        settings = json.dumps(dataclasses.asdict(config))
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(self.directory), OMP_NUM_THREADS="1")
+        command = [sys.executable, "-m", "worker.compiling", settings]
+        done = subprocess.run(
+            command, env=env, preexec_fn=lambda: os.nice(19), capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr else "failed")
+        mark_compiled(self.directory)
+
+
+def mark_compiled(directory: Path) -> None:
+    """Record that ``directory`` holds every graph, so later workers only load them."""
+    (directory / _MARKER).write_text(f"{time.time()}\n")
+
+
+def use_cache_dir(directory: Path) -> None:
+    """Point inductor at ``directory`` for this process (before anything compiles)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
+
+
+def _compile_only(settings: str) -> int:
+    """The child: build a worker with the given config, compile its graphs, exit."""
+    from worker.worker import Worker
+
+    config = WorkerConfig(**json.loads(settings))
+    Worker(config, progress=False)  # compile=True: warm_up runs in the constructor
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_compile_only(sys.argv[1]))

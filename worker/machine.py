@@ -1,0 +1,69 @@
+"""What the machine lends the worker: the CPUs it may really use, and memory for the KV pool.
+
+CPUs: the affinity mask, capped by the cgroup's CPU quota. ``os.cpu_count()`` counts the
+machine's CPUs, which a container or a ``taskset`` may deny the worker; more threads than usable
+CPUs make OpenMP's threads wait on each other at every barrier, and one descheduled thread
+stalls the whole step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (affinity), at most its cgroup quota; at least 1."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        count = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        count = min(count, max(1, math.floor(quota)))
+    return max(1, count)
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs' worth of time the cgroup may use (cgroup v2 ``cpu.max``, or v1's CFS quota), or
+    None when it is unlimited or unknown."""
+    try:
+        fields = (root / "cpu.max").read_text().split()
+        if fields and fields[0] != "max":
+            return int(fields[0]) / int(fields[1])
+        return None
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+_CPU_BUDGET_CAP = 4 << 30
+
+
+def default_kv_budget(device: str) -> int:
+    """The KV pool's bytes when none is given. CUDA: 80% of free GPU memory (weights already
+    loaded). CPU: a quarter of available RAM, at most 4 GiB."""
+    if device == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return int(free * 0.8)
+    return min(available_ram() // 4, _CPU_BUDGET_CAP)
+
+
+def available_ram() -> int:
+    """MemAvailable from /proc/meminfo, else the free pages the OS reports."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
