@@ -15,11 +15,13 @@ source of the code that is traced.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -110,11 +112,23 @@ class BackgroundCompile:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(self.directory), OMP_NUM_THREADS="1")
         command = [sys.executable, "-m", "worker.compiling", settings]
         done = subprocess.run(
-            command, env=env, preexec_fn=lambda: os.nice(19), capture_output=True, text=True
+            command, env=env, preexec_fn=_polite_child, capture_output=True, text=True
         )
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr else "failed")
         mark_compiled(self.directory)
+
+
+def _polite_child() -> None:
+    """In the compiling child before it runs: the lowest CPU priority, and death with the worker
+    (Linux), so a killed worker leaves no compiler behind to race its successor's."""
+    os.nice(19)
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def mark_compiled(directory: Path) -> None:
