@@ -5,6 +5,14 @@ batching, on the same model file and the same work, printed as one table.
     python scripts/compare.py --with-llamacpp --with-transformers
     python scripts/compare.py --dtypes bfloat16 --compile     # also with small steps compiled
     python scripts/compare.py --workload multi-turn --with-llamacpp  # chat histories
+    python scripts/compare.py --as-readme --runs 3 --noisy-neighbour 1 --with-llamacpp
+
+``--as-readme`` starts nanoserve exactly as the README does (``make serve`` in this checkout: no
+flags, the committed ``.env``, port 8000) and prints, for each start, the seconds until
+/health answers, until the first chat reply, and until the worker's decode steps run compiled
+(read from /metrics, the compiled path engages without a restart); then the same load, and
+with ``--noisy-neighbour N`` the same load again beside N busy loops at nice 19
+(``scripts/noisy_neighbour.py``), llama-server likewise with ``--with-llamacpp``.
 
 Every server runs the same ``nanoserve bench serve`` load (128 prompt tokens, 128 output tokens
 with ignore_eos, greedy, streaming) at each ``--concurrency``, one server at a time. llama.cpp's
@@ -22,17 +30,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 
-from compare_servers import (  # noqa: E402 - after the path setup above
+import noisy_neighbour  # noqa: E402 - after the path setup above
+from compare_servers import (  # noqa: E402
     build_llama_server,
+    start_as_readme,
     start_llama_server,
     start_nanoserve,
 )
@@ -53,6 +66,14 @@ COLUMNS = (
     ("failed", "failed", "{}"),
 )
 
+
+START_COLUMNS = (
+    ("start", "start", "{}"),
+    ("/health s", "health_s", "{:.1f}"),
+    ("first reply s", "first_reply_s", "{:.1f}"),
+    ("compiled s", "compiled_s", "{:.1f}"),
+    ("decode path", "decode_path", "{}"),
+)
 
 MULTI_TURN_COLUMNS = (
     ("server", "server", "{}"),
@@ -127,6 +148,105 @@ def _llama_server(args: argparse.Namespace, logs: Path, slot_context: int = 512)
     )
 
 
+DECODE_PATH = re.compile(r'worker_decode_path\{[^}]*="(\w+)"\} 1\.0')
+
+
+def decode_path(url: str) -> str:
+    """What the worker's decode steps run on, as /metrics says ("unknown" before a step)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        found = DECODE_PATH.search(response.read().decode())
+    return found.group(1) if found else "unknown"
+
+
+def chat(url: str, max_tokens: int = 8) -> None:
+    """One short chat completion, as a user's first message."""
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": max_tokens}
+    request = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        json.loads(response.read())
+
+
+def time_readme_start(server, label: str, compile_wait: float) -> dict:
+    """Seconds from ``make serve`` to /health, to the first chat reply, and to compiled decode
+    steps (a short request every 2 s keeps steps, and so the worker's report, coming)."""
+    began = time.monotonic()
+    row = {"start": label}
+    deadline = began + 600
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            pass
+        if any(p.poll() is not None for p in server.processes):
+            raise RuntimeError(f"make serve exited; see {server.log_dir}")
+        time.sleep(0.1)
+    row["health_s"] = time.monotonic() - began
+    chat(server.url)
+    row["first_reply_s"] = time.monotonic() - began
+    deadline = time.monotonic() + compile_wait
+    while (path := decode_path(server.url)) not in ("compiled", "failed", "eager"):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(2)
+        chat(server.url, max_tokens=2)
+    row["decode_path"] = path
+    if path == "compiled":
+        row["compiled_s"] = time.monotonic() - began
+    print(format_table([row], START_COLUMNS), flush=True)
+    return row
+
+
+def bench_noisy(name: str, label: str, server, args, work: Path) -> list[dict]:
+    """``bench_all`` beside ``args.noisy_neighbour`` busy loops at nice 19, ended by PID."""
+    children = noisy_neighbour.start(args.noisy_neighbour, 19)
+    try:
+        return bench_all(name, f"{label} + noise", server, args, work)
+    finally:
+        noisy_neighbour.stop(children)
+
+
+def readme_rows(args: argparse.Namespace, work: Path, logs: Path) -> tuple[list, list]:
+    """``--runs`` starts of the README's server, each timed and benched (and again beside the
+    noisy neighbour), then llama-server the same way."""
+    rows, starts = [], []
+    for run in range(1, args.runs + 1):
+        server = start_as_readme(logs / f"readme-{run}")
+        try:
+            starts.append(time_readme_start(server, f"run {run}", args.compile_wait))
+            rows += bench_all("nanoserve", f"README run {run}", server, args, work)
+            if args.noisy_neighbour:
+                rows += bench_noisy("nanoserve", f"README run {run}", server, args, work)
+        finally:
+            server.stop()
+    if args.with_llamacpp:
+        for run in range(1, args.runs + 1):
+            server = _llama_server(args, logs)
+            try:
+                rows += bench_all("llama.cpp", f"run {run}", server, args, work)
+                if args.noisy_neighbour:
+                    rows += bench_noisy("llama.cpp", f"run {run}", server, args, work)
+            finally:
+                server.stop()
+    return starts, rows
+
+
+def bench_all(name: str, label: str, server, args, work: Path) -> list[dict]:
+    """Bench a started server at every concurrency (it keeps running)."""
+    rows = []
+    for concurrency in args.concurrency:
+        out = work / f"{name}-{label}-c{concurrency}.json".replace(" ", "_").replace("+", "")
+        report = bench(server.url, concurrency, args, out)
+        rows.append({**report, "server": name, "dtype": label, "concurrency": concurrency})
+        print(format_table(rows[-1:]), flush=True)
+    return rows
+
+
 def bench(url: str, concurrency: int, args: argparse.Namespace, out: Path) -> dict:
     """One ``nanoserve bench serve`` run; its JSON report, flattened for the table."""
     prompts = max(concurrency * args.waves, args.min_prompts)
@@ -145,16 +265,10 @@ def bench(url: str, concurrency: int, args: argparse.Namespace, out: Path) -> di
 
 def run_server(name, dtype, server, args, work: Path) -> list[dict]:
     """Bench a started server at every concurrency, then stop it."""
-    rows = []
     try:
-        for concurrency in args.concurrency:
-            out = work / f"{name}-{dtype}-c{concurrency}.json".replace(" ", "_")
-            report = bench(server.url, concurrency, args, out)
-            rows.append({**report, "server": name, "dtype": dtype, "concurrency": concurrency})
-            print(format_table(rows[-1:]), flush=True)
+        return bench_all(name, dtype, server, args, work)
     finally:
         server.stop()
-    return rows
 
 
 def transformers_rows(args: argparse.Namespace) -> list[dict]:
@@ -197,6 +311,16 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--turn-len", type=int, default=38, help="multi-turn: user words")
     parser.add_argument("--reply-len", type=int, default=64, help="multi-turn: reply tokens")
+    parser.add_argument(
+        "--as-readme", action="store_true", help="nanoserve as the README starts it (make serve)"
+    )
+    parser.add_argument("--runs", type=int, default=1, help="--as-readme: starts, back to back")
+    parser.add_argument(
+        "--noisy-neighbour", type=int, default=0, help="also bench beside N busy loops (nice 19)"
+    )
+    parser.add_argument(
+        "--compile-wait", type=float, default=900, help="--as-readme: seconds to await compiled"
+    )
     parser.add_argument("--dtypes", default="float32,bfloat16", type=lambda s: s.split(","))
     parser.add_argument(
         "--concurrency", default="32,1", type=lambda s: [int(c) for c in s.split(",")]
@@ -232,6 +356,15 @@ def main() -> int:
         print(format_table(rows, MULTI_TURN_COLUMNS))
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        return 0
+    if args.as_readme:
+        starts, rows = readme_rows(args, work, logs)
+        print()
+        print(format_table(starts, START_COLUMNS))
+        print()
+        print(format_table(rows))
+        if args.json:
+            args.json.write_text(json.dumps({"starts": starts, "rows": rows}, indent=2) + "\n")
         return 0
     rows: list[dict] = []
     if not args.skip_nanoserve:

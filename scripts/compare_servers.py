@@ -22,6 +22,7 @@ from pathlib import Path
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 ROLES = ("scheduler", "worker", "frontend")
+REPO = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -108,6 +109,51 @@ def start_nanoserve(
     except BaseException:
         server.stop()
         raise
+    return server
+
+
+class ReadmeServer(Server):
+    """``make serve`` in the repository root, exactly as the README starts it (its ``.env``, its
+    port): one process group, ended together."""
+
+    def spawn(self, label: str, command: list[str], env: dict[str, str]) -> None:
+        with open(self.log_dir / f"{label}.log", "ab") as log:
+            self.processes.append(
+                subprocess.Popen(
+                    command,
+                    cwd=REPO,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # honcho and its children: one group to end
+                )
+            )
+
+    def stop(self, timeout: float = 20.0) -> None:
+        for process in self.processes:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # whatever honcho left behind
+            except ProcessLookupError:
+                pass
+            process.wait()
+
+
+def start_as_readme(log_dir: Path, port: int = 8000) -> ReadmeServer:
+    """The README's server command (``make serve``, no flags, the committed ``.env``); returns
+    once the process group is started, not once it answers (the caller times that)."""
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} is taken: the README's server needs it")
+    server = ReadmeServer("nanoserve (README)", port, log_dir)
+    server.spawn("make-serve", ["make", "serve"], dict(os.environ, PYTHONUNBUFFERED="1"))
     return server
 
 
