@@ -229,11 +229,55 @@ def readme_rows(args: argparse.Namespace, work: Path, logs: Path) -> tuple[list,
             server = _llama_server(args, logs)
             try:
                 rows += bench_all("llama.cpp", f"run {run}", server, args, work)
-                if args.noisy_neighbour:
+                if args.noisy_neighbour and run == 1:  # once: it may collapse (--timeout)
                     rows += bench_noisy("llama.cpp", f"run {run}", server, args, work)
             finally:
                 server.stop()
+    if args.with_transformers:
+        rows += transformers_rows(args)
     return starts, rows
+
+
+def readme_verdicts(rows: list[dict]) -> list[str]:
+    """Issue 16's bars, run by run: concurrency 32 against transformers, llama.cpp and 600
+    tok/s; concurrency 1 against llama.cpp's ITL and 100 ms TTFT; the noisy neighbour's cost."""
+
+    def find(server: str, label: str, concurrency: int) -> dict | None:
+        for row in rows:
+            if (row.get("server"), row.get("dtype"), row.get("concurrency")) == (
+                server,
+                label,
+                concurrency,
+            ) and "output_throughput" in row:
+                return row
+        return None
+
+    hf = next((r for r in rows if r.get("server", "").startswith("transformers")), None)
+    lines, run = [], 1
+    while (c32 := find("nanoserve", f"README run {run}", 32)) is not None:
+        c1 = find("nanoserve", f"README run {run}", 1)
+        llama32 = find("llama.cpp", f"run {run}", 32)
+        llama1 = find("llama.cpp", f"run {run}", 1)
+        tok = c32["output_throughput"]
+        parts = [f"run {run}: c32 {tok:.1f} tok/s (bar 600)"]
+        if hf:
+            parts.append(f"{tok / hf['output_throughput']:.2f}x transformers (bar 2x)")
+        if llama32:
+            parts.append(f"{tok / llama32['output_throughput']:.2f}x llama.cpp (bar 4x)")
+        if c1:
+            parts.append(f"c1 ITL {c1['itl_median']:.1f} ms")
+            if llama1:
+                parts.append(f"llama.cpp {llama1['itl_median']:.1f} ms")
+            parts.append(f"c1 TTFT {c1['ttft_median']:.0f} ms (bar 100)")
+        noisy32 = find("nanoserve", f"README run {run} + noise", 32)
+        noisy1 = find("nanoserve", f"README run {run} + noise", 1)
+        if noisy32:
+            parts.append(f"noisy c32 {noisy32['output_throughput'] / tok:.0%} of quiet (bar 50%)")
+        if noisy1 and c1:
+            parts.append(f"noisy c1 ITL {noisy1['itl_median'] / c1['itl_median']:.2f}x (bar 2x)")
+        lines.append("; ".join(parts))
+        run += 1
+    return lines
 
 
 def bench_all(name: str, label: str, server, args, work: Path) -> list[dict]:
@@ -255,7 +299,12 @@ def bench(url: str, concurrency: int, args: argparse.Namespace, out: Path) -> di
     command += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     command += ["--num-warmups", "2", "--json", str(out)]
     with open(out.with_suffix(".log"), "w") as log:  # the full vLLM-style report, kept aside
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            subprocess.run(
+                command, check=True, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout
+            )
+        except subprocess.TimeoutExpired:  # a server that collapsed: say so, and go on
+            return {"failed": f"not done in {args.timeout:.0f} s"}
     report = json.loads(out.read_text())
     for key in ("ttft", "itl", "tpot"):
         report[f"{key}_median"] = report[f"{key}_ms"]["median"]
@@ -321,6 +370,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--compile-wait", type=float, default=900, help="--as-readme: seconds to await compiled"
     )
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one bench run may take")
     parser.add_argument("--dtypes", default="float32,bfloat16", type=lambda s: s.split(","))
     parser.add_argument(
         "--concurrency", default="32,1", type=lambda s: [int(c) for c in s.split(",")]
@@ -363,6 +413,8 @@ def main() -> int:
         print(format_table(starts, START_COLUMNS))
         print()
         print(format_table(rows))
+        print()
+        print("\n".join(readme_verdicts(rows)))
         if args.json:
             args.json.write_text(json.dumps({"starts": starts, "rows": rows}, indent=2) + "\n")
         return 0
