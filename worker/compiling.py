@@ -2,11 +2,11 @@
 second, builds the compiled graphs beside it, and switches to them when they are ready.
 
 Building the graphs cold takes minutes of CPU. It runs in a child process at the lowest CPU
-priority (``nice 19``, one thread), so serving meets it as a polite neighbour, not as a Python
-thread fighting for the worker's GIL and cores; the child only fills inductor's on-disk cache
-and writes a marker. The worker then loads the graphs from that cache in a thread of its own (a
-few seconds of tracing; its steps go on meanwhile) and publishes them with one assignment. A
-restarted worker, or the next start, finds the marker and only loads.
+priority (``nice 19``, with the worker's thread count), so serving meets it as a polite
+neighbour, not as a Python thread fighting for the worker's GIL and cores; the child only fills
+inductor's on-disk cache and writes a marker. The worker then loads the graphs from that cache
+in a thread of its own (a few seconds of tracing; its steps go on meanwhile) and publishes them
+with one assignment. A restarted worker, or the next start, finds the marker and only loads.
 
 The cache lives under ``<cache_root>/inductor/<key>``, the key naming everything that changes
 the graphs: torch's version, the model, the dtype, the 4-bit limit, the block size and the
@@ -100,16 +100,22 @@ class BackgroundCompile:
 
     def _fill_cache(self) -> None:
         """Compile in a child process at the lowest priority, filling the on-disk cache."""
+        # The child runs the worker's thread count: inductor writes it into the kernels it
+        # generates, so graphs compiled on another count miss the cache and the worker would
+        # compile them all over again, in its own process.
+        threads = torch.get_num_threads()
         config = dataclasses.replace(
             self.worker.config,
             num_blocks=64,  # the graphs do not depend on the pool's size
             kv_cache_memory=None,
             num_slots=4,
-            num_threads=1,
+            num_threads=threads,
             compile=True,
         )
         settings = json.dumps(dataclasses.asdict(config))
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(self.directory), OMP_NUM_THREADS="1")
+        env = dict(
+            os.environ, TORCHINDUCTOR_CACHE_DIR=str(self.directory), OMP_NUM_THREADS=str(threads)
+        )
         command = [sys.executable, "-m", "worker.compiling", settings]
         done = subprocess.run(
             command, env=env, preexec_fn=_polite_child, capture_output=True, text=True
