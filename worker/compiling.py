@@ -9,8 +9,8 @@ in a thread of its own (a few seconds of tracing; its steps go on meanwhile) and
 with one assignment. A restarted worker, or the next start, finds the marker and only loads.
 
 The cache lives under ``<cache_root>/inductor/<key>``, the key naming everything that changes
-the graphs: torch's version, the model, the dtype, the 4-bit limit, the block size and the
-source of the code that is traced.
+the graphs: torch's version, the model, the dtype, the 4-bit limit, the block size, the thread
+count and the source of the code that is traced.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def compile_dir(config: WorkerConfig, model_id: str) -> Path:
         config.resolved_dtype,
         str(config.q4_max_tokens),
         str(config.block_size),
+        str(torch.get_num_threads()),  # inductor writes it into the kernels it generates
         source.hexdigest()[:12],
     )
     key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
