@@ -1,7 +1,9 @@
 """``nanoserve generate``: offline batch generation on the in-process Engine.
 
 Reads JSONL (one of "prompt", "messages" or "prompt_token_ids" per line) and prints one JSON
-line per prompt, in input order, with "token_ids" and "text".
+line per prompt, in input order, with "token_ids" and "text". A line may carry its own
+"max_tokens" and "temperature", which override the flags for that prompt (as vLLM's offline
+``generate`` takes one SamplingParams per prompt).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def read_prompts(path: Path) -> list[dict]:
-    """The JSONL lines, each checked to hold exactly one known prompt field."""
+    """The JSONL lines, each checked to hold exactly one known prompt field and, if any, a
+    valid max_tokens and temperature of its own."""
     if not path.is_file():
         raise FileNotFoundError(f"prompts file not found: {path}")
     lines = []
@@ -63,10 +66,24 @@ def read_prompts(path: Path) -> list[dict]:
         )
         if len(keys) != 1:
             raise ValueError(f"{path}:{number}: need one of prompt, messages, prompt_token_ids")
+        _check_overrides(line, f"{path}:{number}")
         lines.append(line)
     if not lines:
         raise ValueError(f"{path}: no prompts")
     return lines
+
+
+def _check_overrides(line: dict, where: str) -> None:
+    """A line's own max_tokens must be an integer >= 1, its temperature a finite number >= 0."""
+    if "max_tokens" in line:
+        value = line["max_tokens"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: max_tokens must be an integer >= 1, got {value!r}")
+    if "temperature" in line:
+        value = line["temperature"]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not 0 <= value < float("inf"):
+            raise ValueError(f"{where}: temperature must be a finite number >= 0, got {value!r}")
 
 
 def tokenize(line: dict, tokenizer) -> list[int]:
@@ -121,13 +138,16 @@ def run(args: argparse.Namespace) -> int:
     lines = read_prompts(args.prompts_file)
     tokenizer = load_tokenizer(args.model)
     prompts = [tokenize(line, tokenizer) for line in lines]
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-    )
+    params = [
+        SamplingParams(
+            max_tokens=int(line.get("max_tokens", args.max_tokens)),
+            temperature=float(line.get("temperature", args.temperature)),
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
+        for line in lines
+    ]
     config = SchedulerConfig(token_budget=args.token_budget, overlap=not args.disable_overlap)
     engine = Engine.for_worker(make_worker(args), config)
     for out in engine.generate(prompts, params):

@@ -23,11 +23,23 @@ async def _post(server, path: str, body: dict) -> tuple[int, bytes]:
             return response.status, await response.read()
 
 
+SUMS = [f"Question: what is {i} plus {i + 3}?\nAnswer:" for i in range(64)]
+
+
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The references of every test here from one ``nanoserve generate`` run (one model load):
+    line 0 the completion, line 1 the chat, then SUMS."""
+    lines = [{"prompt": PROMPT, "max_tokens": 40}, {"messages": MESSAGES, "max_tokens": 48}]
+    lines += [{"prompt": prompt, "max_tokens": 16} for prompt in SUMS]
+    return generate_offline(tmp_path_factory.mktemp("offline"), lines, "--temperature", "0")
+
+
 def _client(server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
-async def test_completion_stream_equals_nonstream_equals_generate(server, tmp_path):
+async def test_completion_stream_equals_nonstream_equals_generate(server, offline):
     body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 40, "temperature": 0}
     status, raw = await _post(server, "/v1/completions", body)
     assert status == 200, raw
@@ -43,14 +55,11 @@ async def test_completion_stream_equals_nonstream_equals_generate(server, tmp_pa
         stream = await client.completions.create(**body, stream=True)
         by_openai = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
 
-    offline = generate_offline(
-        tmp_path, [{"prompt": PROMPT}], "--max-tokens", "40", "--temperature", "0"
-    )
     assert whole, "the model said nothing"
     assert whole == streamed == by_openai == offline[0]["text"]
 
 
-async def test_chat_stream_equals_nonstream_equals_generate(server, tmp_path):
+async def test_chat_stream_equals_nonstream_equals_generate(server, offline):
     async with _client(server) as client:
         whole = await client.chat.completions.create(
             model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=48, temperature=0
@@ -66,19 +75,13 @@ async def test_chat_stream_equals_nonstream_equals_generate(server, tmp_path):
         chunks = [chunk async for chunk in stream]
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     usage = chunks[-1].usage
-    offline = generate_offline(
-        tmp_path, [{"messages": MESSAGES}], "--max-tokens", "48", "--temperature", "0"
-    )
-    assert whole.choices[0].message.content == streamed == offline[0]["text"]
+    assert whole.choices[0].message.content == streamed == offline[1]["text"]
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
-    assert usage.completion_tokens == len(offline[0]["token_ids"])
+    assert usage.completion_tokens == len(offline[1]["token_ids"])
 
 
-async def test_64_concurrent_streams_each_get_their_own_tokens(server, tmp_path):
-    prompts = [f"Question: what is {i} plus {i + 3}?\nAnswer:" for i in range(64)]
-    reference = generate_offline(
-        tmp_path, [{"prompt": p} for p in prompts], "--max-tokens", "16", "--temperature", "0"
-    )
+async def test_64_concurrent_streams_each_get_their_own_tokens(server, offline):
+    prompts, reference = SUMS, offline[2:]
 
     async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
         stream = await client.completions.create(

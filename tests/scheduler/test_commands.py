@@ -93,6 +93,38 @@ def test_generate_prints_one_line_per_prompt_in_order(
     assert [x["token_ids"] for x in roomy] == [x["token_ids"] for x in lines]
 
 
+def test_a_line_s_own_max_tokens_overrides_the_flag(
+    tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"prompt_token_ids": [3, 4, 5], "max_tokens": 2}, {"prompt_token_ids": [3, 4, 5]}]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    command = ["generate", "--model", tiny, "--prompts-file", str(prompts), "--max-tokens", "6"]
+    assert main(command) == 0
+    short, long = (json.loads(x)["token_ids"] for x in capsys.readouterr().out.splitlines())
+    assert len(long) > 2, "the tiny model stopped too soon to tell the limits apart"
+    assert short == long[:2]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
+        ({"max_tokens": 2.5}, "max_tokens must be an integer >= 1, got 2.5"),
+        ({"temperature": -1}, "temperature must be a finite number >= 0, got -1"),
+        ({"temperature": "hot"}, "temperature must be a finite number >= 0, got 'hot'"),
+    ],
+)
+def test_generate_rejects_a_bad_override(
+    override: dict, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "bad.jsonl"
+    lines = [{"prompt": "hi"}, {"prompt": "x", **override}]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["generate", "--prompts-file", str(prompts)]) == 2
+    assert f"bad.jsonl:2: {message}" in capsys.readouterr().err
+
+
 def test_generate_rejects_a_bad_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     prompts = tmp_path / "bad.jsonl"
     prompts.write_text('{"nothing": 1}\n')

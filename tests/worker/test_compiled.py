@@ -4,6 +4,9 @@ read of anything the step should not touch would show; and which steps run compi
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import NamedTuple
+
 import pytest
 import torch
 from conftest import hf_logits, make_worker
@@ -16,11 +19,59 @@ def tiny_reference(tiny_dir):
     return reference(tiny_dir)
 
 
+def _config(tiny_dir):
+    """make_worker's settings, compiled, under a cache key of this module's own (told apart by
+    q4_max_tokens, which the tiny float32 model has no 4-bit weights to use): no other module's
+    compile can have made it warm."""
+    from worker.config import WorkerConfig
+
+    return WorkerConfig(
+        model=str(tiny_dir), block_size=4, num_blocks=256, num_slots=8, dtype="float32",
+        q4_max_tokens=3, compile=True,
+    )  # fmt: skip
+
+
+def _marker(tiny_dir) -> Path:
+    from protocol.model_files import resolve_model
+    from worker.compiling import compile_dir
+
+    return compile_dir(_config(tiny_dir), resolve_model(str(tiny_dir)).model_id) / "compiled.ok"
+
+
+class BuiltBeside(NamedTuple):
+    """A worker whose graphs were built beside its first steps, and what was seen meanwhile."""
+
+    worker: object
+    cold: bool  # nothing was cached when it started
+    first_path: str  # its decode path at start
+    eager_meanwhile: bool  # its first steps ran while the graphs were still being built
+
+
 @pytest.fixture(scope="module")
-def compiled_worker(tiny_dir):
-    """One compiled worker for the module: compiling takes tens of seconds."""
-    worker = make_worker(tiny_dir, compile=True)
-    assert worker.compiled.steps == 3  # warm-up: batches 1, 2 and MAX_BATCH
+def built_beside(tiny_dir, tiny_reference) -> BuiltBeside:
+    """The module's one compile (tens of seconds): a worker serves eagerly while a child at
+    the lowest priority builds its graphs cold, then loads them. Its steps are checked against
+    transformers meanwhile; the tests below use its graphs."""
+    from worker.worker import Worker
+
+    model, expected = tiny_reference
+    cold = not _marker(tiny_dir).exists()
+    worker = Worker(_config(tiny_dir), progress=False, background_compile=True)
+    # Poison the pool: a read of a position that was never written turns the logits into NaN.
+    worker.cache.pool.fill_(float("nan"))
+    first_path = worker.decode_path
+    check(worker, model, expected, "batched")  # served now, whatever the job's progress
+    eager_meanwhile = worker.compiled is None
+    assert worker.compile_job.wait(600), worker.compile_job.error
+    return BuiltBeside(worker, cold and worker.compile_job.cold, first_path, eager_meanwhile)
+
+
+@pytest.fixture(scope="module")
+def compiled_worker(built_beside):
+    """The module's compiled worker, once it has adopted its graphs."""
+    worker = built_beside.worker
+    assert worker._compiled() is not None
+    assert worker.compiled.steps == 3  # its warm-up: batches 1, 2 and MAX_BATCH
     # Every step below must find a graph the warm-up built: a recompile raises.
     worker.compiled.stance = "fail_on_recompile"
     return worker
@@ -85,39 +136,46 @@ def test_bfloat16_compiled_stays_close_to_eager(tiny_dir):
         assert (torch.stack(ours.logits) - torch.stack(theirs.logits)).abs().max().item() < 0.1
 
 
-@pytest.mark.parametrize("cold", [True, False], ids=["cold", "from-cache"])
 def test_a_worker_serves_eagerly_until_its_graphs_are_built_beside_it(
-    tiny_dir, tiny_reference, compiled_worker, cold
+    built_beside, compiled_worker, tiny_dir, tiny_reference
 ):
-    """Background compile: the first steps run eagerly while the graphs are built (cold: in a
-    child process at the lowest priority, then loaded; warm: only loaded), the worker switches
-    without a restart, and the tokens are transformers' throughout."""
-    from protocol.model_files import resolve_model
-    from worker.compiling import compile_dir
-    from worker.config import WorkerConfig
+    """Background compile, cold: the first steps ran eagerly while a child built the graphs
+    (``built_beside``), the worker switched without a restart, and its tokens are
+    transformers' throughout."""
+    model, expected = tiny_reference
+    assert built_beside.cold and built_beside.first_path == "compiling"
+    assert built_beside.eager_meanwhile  # the child takes tens of seconds
+    worker = built_beside.worker
+    assert _marker(tiny_dir).exists() and worker.decode_path == "compiled"
+    _assert_only_loaded(tiny_dir)
+    before = worker.compiled.steps
+    check(worker, model, expected, "batched")
+    assert worker.compiled.steps > before
+
+
+def test_a_worker_started_on_a_filled_cache_only_loads_its_graphs(
+    built_beside, tiny_dir, tiny_reference
+):
+    """From the cache: a later worker (a restart, the next start) finds the marker, serves
+    eagerly for the seconds loading takes, and switches."""
     from worker.worker import Worker
 
     model, expected = tiny_reference
-    # Each case its own cache key, told apart by q4_max_tokens (the tiny float32 model has no
-    # 4-bit weights to use it). Warm: the module's compiled worker (make_worker's settings)
-    # filled and marked this cache. Cold: a key nobody compiled.
-    config = WorkerConfig(
-        model=str(tiny_dir), block_size=4, num_blocks=256, num_slots=8, dtype="float32",
-        q4_max_tokens=3 if cold else 8, compile=True,
-    )  # fmt: skip
-    marker = compile_dir(config, resolve_model(str(tiny_dir)).model_id) / "compiled.ok"
-    assert marker.exists() is not cold
-    worker = Worker(config, progress=False, background_compile=True)
-    assert worker.compile_job.cold is cold and worker.decode_path == "compiling"
-    check(worker, model, expected, "batched")  # served now, whatever the job's progress
-    if cold:  # the child takes tens of seconds: those steps ran eagerly
-        assert worker.compiled is None
+    assert _marker(tiny_dir).exists()
+    worker = Worker(_config(tiny_dir), progress=False, background_compile=True)
+    assert not worker.compile_job.cold and worker.decode_path == "compiling"
+    check(worker, model, expected, "batched")
     assert worker.compile_job.wait(600), worker.compile_job.error
-    assert marker.exists() and worker.decode_path == "compiled"
-    # The worker only loaded what the child (cold) or an earlier worker built: a graph it had
-    # to compile again would have left inductor files newer than the marker.
+    assert worker.decode_path == "compiled"
+    _assert_only_loaded(tiny_dir)
+    check(worker, model, expected, "batched")  # the first step adopts the graphs
+    assert worker.compiled is not None and worker.compiled.steps > 3
+
+
+def _assert_only_loaded(tiny_dir) -> None:
+    """The workers only loaded what the child built: a graph one had to compile again would
+    have left inductor files newer than the marker."""
+    marker = _marker(tiny_dir)
     marker_time = marker.stat().st_mtime
     newer = [f for f in marker.parent.rglob("*") if f.is_file() and f.stat().st_mtime > marker_time]
     assert not [f for f in newer if "locks" not in f.parts], newer
-    check(worker, model, expected, "batched")  # the first step adopts the graphs
-    assert worker.compiled is not None and worker.compiled.steps > 3
