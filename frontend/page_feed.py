@@ -25,6 +25,7 @@ from frontend.metrics import Metrics
 from frontend.page_history import History
 from protocol.messages import PROTOCOL_VERSION
 from protocol.monitor import STATES, PoolSnapshot
+from protocol.pool_runs import pool_runs
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,13 @@ class PageFeed:
                 continue
             if snapshot.protocol_version != PROTOCOL_VERSION or not self.watchers:
                 continue  # the page learns of another version from /health's reason
-            frame = self._frame("snapshot", plain(snapshot))
+            try:
+                view = page_view(snapshot)
+            except ValueError as exc:
+                self.metrics.bad_messages.inc()
+                log.warning("dropped a monitor frame whose pool does not add up: %s", exc)
+                continue
+            frame = self._frame("snapshot", view)
             self.latest = (time.monotonic(), frame)
             self._fan_out(frame)
 
@@ -185,6 +192,17 @@ class PageFeed:
             sample = self.history.sample()
             if self.watchers:
                 self._fan_out(self._frame("stats", {"sample": sample, "link": self._link()}))
+
+
+def page_view(snapshot: PoolSnapshot) -> dict:
+    """A snapshot as a page gets it: the pool as runs (``protocol.pool_runs``), the rows
+    without their block lists (the runs carry them)."""
+    view = plain(snapshot)
+    if snapshot.pool is not None:
+        view["pool"] = plain(pool_runs(snapshot.pool, snapshot.requests))
+    for row in view["requests"]:
+        del row["blocks"]
+    return view
 
 
 def plain(value: Any) -> Any:

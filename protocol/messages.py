@@ -20,7 +20,7 @@ import msgspec
 
 from protocol.params import SamplingParams
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5  # 5: the monitor feed's pool as PoolStates (one byte per block)
 
 PENDING_TOKEN = -1
 """A token the scheduler has not seen yet: the one the worker sampled for this row in the

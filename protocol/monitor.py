@@ -6,12 +6,14 @@ Same conventions as ``messages.py``: ``array_like`` structs, fields only ever ap
 defaults, the greeting field ``protocol_version`` first. Nothing here carries prompt text:
 request ids, counts and states only.
 
-The pool travels as runs, not one entry per block. ``runs`` is a flat list of triples
+The pool travels as ``PoolStates``: one byte per block (a bitmap of four states, 5.8 KB for a
+5,825-block pool), copied from the allocator's own ``block_states``, and each running request's
+row lists the blocks it holds. Building that costs the scheduler one copy and a list per
+running request, however fragmented the pool. Frontends turn it into runs for browsers
+(``protocol.pool_runs``): ``PoolRuns.runs`` is a flat list of triples
 ``(state, owner_set, length)`` covering ``range(num_blocks)`` in block order; ``owner_sets[i]``
 lists the holders of a run with owner set ``i`` as indexes into ``requests`` (``owner_sets[0]``
-is the empty set of free blocks). A request's blocks are often contiguous (admission allocates
-them together, prefix hits share a whole chain), so a pool of thousands of blocks is usually a
-few hundred runs.
+is the empty set of free blocks).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class _Part(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True
 
 
 class RequestRow(_Part):
-    """One waiting or running request as the page shows it: no text, only counts."""
+    """One waiting or running request as the page shows it: no text, only counts and ids."""
 
     request_id: str
     running: bool
@@ -46,10 +48,20 @@ class RequestRow(_Part):
     num_preemptions: int
     age_s: float  # since it arrived at the scheduler
     num_cached_tokens: int = 0  # prompt tokens its first admission found cached
+    blocks: list[int] = []  # the block ids it holds, in order (a running request's; no text)
+
+
+class PoolStates(_Part):
+    """The block ledger on the wire: ``states[b]`` is block b's state (FREE..SHARED)."""
+
+    num_blocks: int
+    block_size: int
+    watermark_blocks: int
+    states: bytes
 
 
 class PoolRuns(_Part):
-    """The block ledger, run-length encoded (see the module docstring)."""
+    """The block ledger run-length encoded, as browsers get it (see the module docstring)."""
 
     num_blocks: int
     block_size: int
@@ -105,7 +117,7 @@ class PoolSnapshot(Message):
     protocol_version: int = PROTOCOL_VERSION
     seq: int = 0
     time: float = 0.0
-    pool: PoolRuns | None = None  # None until a worker has announced its pool
+    pool: PoolStates | None = None  # None until a worker has announced its pool
     requests: list[RequestRow] = []
     num_running: int = 0
     num_waiting: int = 0

@@ -28,6 +28,7 @@ from itertools import compress, filterfalse
 
 from protocol.messages import RowSummary
 from scheduler.audit_rows import audit_rows, project_rows
+from scheduler.audit_states import audit_block_states
 from scheduler.errors import InvariantViolation
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
@@ -39,6 +40,7 @@ def audit_all(scheduler: Scheduler, rows: list[RowSummary] | None = None) -> Non
     audit_cache(scheduler, shared)
     audit_slots(scheduler)
     audit_requests(scheduler)
+    audit_block_states(scheduler)  # last: the ledger itself is checked by then
     if rows is not None:
         audit_rows(scheduler, rows)
 
@@ -300,6 +302,7 @@ def _check_order(scheduler: Scheduler) -> None:
 __all__ = [
     "InvariantViolation",
     "audit_all",
+    "audit_block_states",
     "audit_cache",
     "audit_pool",
     "audit_requests",

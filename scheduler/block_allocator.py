@@ -11,6 +11,10 @@ A held block may be cached too (hashed and indexed): that is how a running reque
 shared. Free blocks are handed out uncached first; only when none is left is a cached-free block
 evicted (its hash dropped), least recently freed first. The scheduler frees a request's blocks
 deepest first, so a chain is evicted from its tail and its shared head lasts longest.
+
+``block_states`` mirrors the ledger one byte per block (free, cached-free, held by one, shared),
+kept up to date by every change, so the web page's snapshot of a large pool is one copy
+(``scheduler.snapshot``); the audit checks it against the ledger.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
 from protocol.blocks import blocks_for
+from protocol.monitor import CACHED, FREE, HELD, SHARED
 from scheduler.errors import BlockLedgerError, OutOfBlocks
 
 
@@ -42,6 +47,7 @@ class BlockAllocator:
         self._ref_counts: dict[int, int] = {}
         self._hash_of: dict[int, bytes] = {}  # every cached block, held or free
         self._by_hash: dict[bytes, int] = {}  # the index: hash -> block
+        self._states = bytearray([FREE]) * num_blocks  # each block's state, as the page shows it
 
     # -- queries -----------------------------------------------------------------------------
     def blocks_for_length(self, num_tokens: int) -> int:
@@ -79,6 +85,12 @@ class BlockAllocator:
         """How many holders the block has (0 when free)."""
         self._check_range(block_id)
         return self._ref_counts.get(block_id, 0)
+
+    @property
+    def block_states(self) -> bytearray:
+        """One byte per block: FREE, CACHED (cached-free), HELD (one holder) or SHARED (several),
+        as in ``protocol.monitor``. The live array, not a copy: callers only read it."""
+        return self._states
 
     # The three mappings below are the live ledgers, not copies: callers only read them. (The
     # audit reads 100k-entry pools between iterations, and a copy or a proxy would cost it a
@@ -129,6 +141,7 @@ class BlockAllocator:
                 block_id, _ = self._evictable.popitem(last=False)
                 del self._by_hash[self._hash_of.pop(block_id)]
             self._ref_counts[block_id] = 1
+            self._states[block_id] = HELD
             ids.append(block_id)
         return ids
 
@@ -144,7 +157,9 @@ class BlockAllocator:
         for block_id in block_ids:
             if block_id in self._evictable:
                 del self._evictable[block_id]
-            self._ref_counts[block_id] = self._ref_counts.get(block_id, 0) + 1
+            count = self._ref_counts.get(block_id, 0) + 1
+            self._ref_counts[block_id] = count
+            self._states[block_id] = HELD if count == 1 else SHARED
         return list(block_ids)
 
     def cache(self, block_id: int, digest: bytes) -> bool:
@@ -186,6 +201,7 @@ class BlockAllocator:
         for block_id in self._evictable:
             self._free.append(block_id)
             self._free_set.add(block_id)
+            self._states[block_id] = FREE
         self._evictable.clear()
         self._hash_of.clear()
         self._by_hash.clear()
@@ -195,13 +211,17 @@ class BlockAllocator:
         count = self._ref_counts[block_id] - 1
         if count:
             self._ref_counts[block_id] = count
+            if count == 1:
+                self._states[block_id] = HELD
             return
         del self._ref_counts[block_id]
         if block_id in self._hash_of:
             self._evictable[block_id] = None
+            self._states[block_id] = CACHED
         else:
             self._free.append(block_id)
             self._free_set.add(block_id)
+            self._states[block_id] = FREE
 
     def _check_range(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:

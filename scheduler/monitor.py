@@ -23,7 +23,7 @@ import zmq
 
 from protocol.monitor import AuditRecord, Health, MonitorEvent, PoolSnapshot
 from scheduler.frontend_side import FrontendSide
-from scheduler.snapshot import pool_runs, request_rows
+from scheduler.snapshot import pool_states, request_rows
 from scheduler.worker_side import WorkerSide
 
 log = logging.getLogger("nanoserve.scheduler")
@@ -114,7 +114,7 @@ class Monitor:
         pool, rows, running, waiting = None, [], 0, 0
         if engine is not None:
             s = engine.scheduler
-            pool = pool_runs(s.allocator, s.running, s.watermark_blocks)
+            pool = pool_states(s.allocator, s.watermark_blocks)
             rows = request_rows(s.running, s.waiting, now)
             running, waiting = len(s.running), len(s.waiting)
         self._seq += 1

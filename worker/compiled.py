@@ -57,6 +57,10 @@ class CompiledDecode:
                 # Block ids come from the worker's own checked tables; a bounds check per
                 # element would cost more than the load it guards.
                 "assert_indirect_indexing": False,
+                # Kernels ask OpenMP for the thread count at run time (not a count written in at
+                # compile time), so the worker can drop to one thread beside a CPU-bound
+                # neighbour and come back (worker.threads), compiled steps included.
+                "cpp.dynamic_threads": True,
                 # The graph's ~400 kernel and matmul calls are made from C++, not from a
                 # Python wrapper whose overhead is a visible share of a small step.
                 "cpp_wrapper": True,

@@ -51,7 +51,7 @@ def compile_dir(config: WorkerConfig, model_id: str) -> Path:
         config.resolved_dtype,
         str(config.q4_max_tokens),
         str(config.block_size),
-        str(torch.get_num_threads()),  # inductor writes it into the kernels it generates
+        str(torch.get_num_threads()),  # inductor splits loops for it when it generates kernels
         source.hexdigest()[:12],
     )
     key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
@@ -101,9 +101,9 @@ class BackgroundCompile:
 
     def _fill_cache(self) -> None:
         """Compile in a child process at the lowest priority, filling the on-disk cache."""
-        # The child runs the worker's thread count: inductor writes it into the kernels it
-        # generates, so graphs compiled on another count miss the cache and the worker would
-        # compile them all over again, in its own process.
+        # The child runs the worker's thread count: inductor splits loops for it when it
+        # generates kernels and keys its cache by it, so graphs compiled on another count miss
+        # the cache and the worker would compile them all over again, in its own process.
         threads = torch.get_num_threads()
         config = dataclasses.replace(
             self.worker.config,

@@ -25,7 +25,7 @@ from frontend.config import FrontendConfig
 from frontend.page import FEED
 from frontend.page_feed import Watcher
 from protocol.addresses import Addresses, runtime_dir
-from protocol.monitor import HELD, PoolRuns, PoolSnapshot, RequestRow
+from protocol.monitor import FREE, HELD, PoolSnapshot, PoolStates, RequestRow
 from tests.frontend.conftest import reply_tokens
 from tests.frontend.fake_scheduler import FakeScheduler
 
@@ -87,14 +87,10 @@ def snapshot(seq: int, padding: int = 0) -> bytes:
         max_tokens=16,
         num_preemptions=0,
         age_s=1.5,
+        blocks=[0, 1],
     )
-    pool = PoolRuns(
-        num_blocks=8,
-        block_size=16,
-        watermark_blocks=1,
-        runs=[HELD, 1, 2, 0, 0, 6],
-        owner_sets=[[], [0]],
-    )
+    states = bytes([HELD, HELD] + [FREE] * 6)  # one byte per block, as the scheduler sends it
+    pool = PoolStates(num_blocks=8, block_size=16, watermark_blocks=1, states=states)
     message = PoolSnapshot(seq=seq, pool=pool, requests=[row], num_running=1)
     return msgspec.msgpack.encode(message)
 
@@ -156,6 +152,7 @@ async def test_snapshots_flow_only_while_a_page_is_open(server):
         assert got["snapshot"]["pool"]["runs"] == [HELD, 1, 2, 0, 0, 6]
         assert got["snapshot"]["requests"][0]["request_id"] == "cmpl-1"
         assert got["snapshot"]["requests"][0]["slot"] == 0
+        assert "blocks" not in got["snapshot"]["requests"][0]  # the runs carry them
         kind, stats = (await events(response, 1))[0]
         assert kind == "stats" and stats["link"]["pages"] == 1
         assert {"tok_s", "ttft_ms", "itl_ms", "kv_usage", "busy", "hit_rate"} <= set(
@@ -164,6 +161,18 @@ async def test_snapshots_flow_only_while_a_page_is_open(server):
     assert await subscription(server.feed) == b"\x00"  # the last page left
     await asyncio.sleep(0.05)
     assert server.streams() == 0
+
+
+async def test_a_snapshot_whose_pool_does_not_add_up_is_dropped(server):
+    """Held blocks that no running row holds: the frame is dropped, the next one goes out."""
+    held = PoolStates(num_blocks=8, block_size=16, watermark_blocks=0, states=bytes([HELD]) * 8)
+    bad = msgspec.msgpack.encode(PoolSnapshot(seq=1, pool=held))
+    async with server.http.get(server.url + "/page/stream") as response:
+        assert await subscription(server.feed) == b"\x01"
+        await server.feed.send(bad)
+        await server.feed.send(snapshot(2))
+        got = dict(await events(response, 2))
+        assert got["snapshot"]["seq"] == 2
 
 
 async def test_a_slow_page_misses_old_frames():

@@ -14,7 +14,7 @@ import zmq
 
 from protocol.addresses import Addresses, runtime_dir
 from protocol.messages import PROTOCOL_VERSION, AddRequest, SamplingParams
-from protocol.monitor import FREE, PoolSnapshot
+from protocol.monitor import FREE, HELD, PoolSnapshot
 from scheduler.config import SchedulerConfig
 from scheduler.process import SchedulerProcess
 from tests.faults.raw import ENCODE, announcement, dealer
@@ -92,8 +92,9 @@ def test_snapshots_flow_only_while_subscribed(scheduler):
     assert last.pool is not None and last.pool.num_blocks == 8
     (row,) = last.requests
     assert row.request_id == "req-1" and row.running and row.num_blocks == 2
-    assert last.pool.runs[:3] == [2, 1, 2]  # its two blocks, held by it alone
-    assert last.pool.runs[3:] == [FREE, 0, 6]
+    assert len(row.blocks) == 2  # one byte per block: its two held, the rest free
+    assert sorted(b for b, state in enumerate(last.pool.states) if state == HELD) == row.blocks
+    assert last.pool.states.count(FREE) == 6
     assert any(e.kind == "worker" and "ready" in e.text for e in last.events)
     later = snapshots(sub, 1.5)
     assert len(later) <= 1.5 / process.monitor.interval_s + 2, "more than a few per second"

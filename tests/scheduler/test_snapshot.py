@@ -1,4 +1,5 @@
-"""The pool as the web page receives it: runs that decode back to exactly the ledger."""
+"""The pool as the web page receives it: the scheduler's bytes and rows, turned into runs by a
+frontend, decode back to exactly the ledger."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from protocol.monitor import (
     SHARED,
     PoolRuns,
     PoolSnapshot,
+    PoolStates,
     RequestRow,
 )
+from protocol.pool_runs import decode_runs, pool_runs
 from scheduler.engine import Engine
-from scheduler.snapshot import decode_runs, pool_runs, request_rows
+from scheduler.snapshot import pool_states, request_rows
 from tests.scheduler.conftest import make_engine
 
 PREFIX = [5, 6, 7, 8] * 3  # three full blocks of 4, shared by every request below
@@ -43,8 +46,10 @@ def ledger(engine: Engine) -> list[tuple[int, tuple[int, ...]]]:
 
 
 def snapshot(engine: Engine) -> PoolRuns:
+    """What a page gets: the scheduler's snapshot of the pool, turned into runs."""
     sched = engine.scheduler
-    return pool_runs(sched.allocator, sched.running, sched.watermark_blocks)
+    rows = request_rows(sched.running, sched.waiting, now=1e9)
+    return pool_runs(pool_states(sched.allocator, sched.watermark_blocks), rows)
 
 
 def test_a_pool_with_shared_and_cached_blocks_decodes_to_the_ledger():
@@ -66,7 +71,7 @@ def test_a_pool_with_shared_and_cached_blocks_decodes_to_the_ledger():
 
 
 def test_a_mostly_cached_pool_decodes_to_the_ledger():
-    """Cached-free blocks outnumber uncached ones: the other background of ``pool_runs``."""
+    """Cached-free blocks outnumber uncached ones."""
     engine = make_engine(num_blocks=12, block_size=4, num_slots=2)
     once = SamplingParams(max_tokens=1, ignore_eos=True)
     for i in range(5):  # each leaves its two full blocks cached-free
@@ -91,13 +96,15 @@ def test_the_snapshot_survives_the_wire():
     engine.step()
     sched = engine.scheduler
     message = PoolSnapshot(
-        pool=snapshot(engine),
+        pool=pool_states(sched.allocator, sched.watermark_blocks),
         requests=request_rows(sched.running, sched.waiting, now=1e9),
         num_running=len(sched.running),
         num_waiting=len(sched.waiting),
     )
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=PoolSnapshot)
-    assert decode_runs(decoded.pool) == ledger(engine)
+    assert len(decoded.pool.states) == 24  # one byte per block on the wire
+    runs = pool_runs(decoded.pool, decoded.requests)
+    assert decode_runs(runs) == ledger(engine)
     assert [(r.request_id, r.running) for r in decoded.requests] == [
         ("a", True),
         ("b", True),
@@ -106,7 +113,8 @@ def test_the_snapshot_survives_the_wire():
     a, _, c = decoded.requests
     assert a.slot == 0 and a.num_blocks == 4 and a.num_prompt_tokens == 13
     assert c.slot is None and c.num_blocks == 0 and c.num_computed == 0
-    assert decoded.pool.owner_sets[:3] == [[], [0], [1]]  # empty, then each running request
+    assert a.blocks == sched.running[0].block_ids and c.blocks == []
+    assert runs.owner_sets[:3] == [[], [0], [1]]  # empty, then each running request
 
 
 def test_waiting_rows_are_capped_and_show_no_text():
@@ -126,3 +134,26 @@ def test_decode_refuses_runs_that_do_not_cover_the_pool():
     )
     with pytest.raises(ValueError, match="cover 4 blocks of 5"):
         decode_runs(pool)
+
+
+def _row(name: str, blocks: list[int]) -> RequestRow:
+    return RequestRow(
+        request_id=name, running=True, slot=0, num_blocks=len(blocks), num_computed=0,
+        num_prompt_tokens=1, num_output_tokens=0, max_tokens=1, num_preemptions=0, age_s=0.0,
+        blocks=blocks,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("states", "blocks", "message"),
+    [
+        (bytes([FREE, HELD]), [1], "2 state bytes for 3 blocks"),
+        (bytes([FREE, HELD, 7]), [1], "or a bad one"),
+        (bytes([FREE, HELD, HELD]), [1], "block 2 is held but nobody holds it"),
+        (bytes([FREE, SHARED, FREE]), [1, 5], "out of range 0..2"),
+    ],
+)
+def test_a_pool_that_does_not_add_up_is_refused(states: bytes, blocks: list[int], message: str):
+    pool = PoolStates(num_blocks=3, block_size=4, watermark_blocks=0, states=states)
+    with pytest.raises(ValueError, match=message):
+        pool_runs(pool, [_row("a", blocks)])
