@@ -1,10 +1,11 @@
 """PageFeed: relays the scheduler's monitor feed and the plots' history to open web pages.
 
 One SUB socket on the scheduler's monitor XPUB, subscribed only while some page is open (so the
-scheduler builds nothing for a server nobody watches). Each snapshot is turned into JSON once
-and handed to every page's ``Watcher``, a bounded queue that drops its oldest frame when the
-page falls behind: a slow or stalled browser misses frames, and never holds more than ``depth``
-of them here. A sample of the plots' figures goes out once a second (``History``).
+scheduler builds nothing for a server nobody watches). Each snapshot's pool is turned into runs
+(``protocol.pool_runs``) and the whole into JSON once, and handed to every page's ``Watcher``,
+a bounded queue that drops its oldest frame when the page falls behind: a slow or stalled
+browser misses frames, and never holds more than ``depth`` of them here. A sample of the plots'
+figures goes out once a second (``History``).
 """
 
 from __future__ import annotations
