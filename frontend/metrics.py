@@ -43,6 +43,11 @@ MIRRORED = (
         "worker_resident_bytes",
     ),
     (
+        "nanoserve:worker_threads",
+        "The worker's intra-op threads (1 while another process holds a core)",
+        "worker_threads",
+    ),
+    (
         "nanoserve:scheduler_messages_during_step_total",
         "Adds and aborts the scheduler took in while a step was in flight",
         "messages_during_step_total",
@@ -102,6 +107,11 @@ COUNTED = (
         "nanoserve:prefix_cache_hits",
         "Of the prefix cache's queried tokens, those found cached",
         "prefix_cache_hits",
+    ),
+    (
+        "nanoserve:worker_thread_switches",
+        "Changes of the worker's thread count (a neighbour took a core, or gave it back)",
+        "worker_thread_switches_total",
     ),
 )
 

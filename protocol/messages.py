@@ -134,6 +134,7 @@ class StepResult(Message):
     grammar_fill_s: float = 0.0
     grammar_apply_s: float = 0.0
     decode_path: str = ""  # "eager", "compiling", "compiled" or "failed" (Worker.decode_path)
+    num_threads: int = 0  # the worker's intra-op threads after the step (worker.threads)
 
 
 class WorkerReady(Message):
@@ -237,6 +238,8 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
       time waiting for and applying them (in the step's path).
     - ``worker_decode_path``: what the worker's decode steps run on, as its last step said:
       "eager", "compiling" (eagerly meanwhile), "compiled", "failed" ("" before any step).
+    - ``worker_threads``: the worker's intra-op threads after its last step (0 before any);
+      ``worker_thread_switches_total``: how often it changed them (``worker.threads``).
     """
 
     num_running: int = 0
@@ -260,6 +263,8 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     grammar_fill_s_total: float = 0.0
     grammar_apply_s_total: float = 0.0
     worker_decode_path: str = ""
+    worker_threads: int = 0
+    worker_thread_switches_total: int = 0
 
 
 class Outputs(Message):

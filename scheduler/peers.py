@@ -17,6 +17,7 @@ class WorkerPeer:
     last_seen: float
     resident_bytes: int = 0  # after its last step
     decode_path: str = ""  # what its decode steps run on, as its last step said
+    num_threads: int = 0  # its intra-op threads, as its last step said
     fd: int | None = None  # the connection its messages arrive on, to match monitor events
 
 

@@ -57,6 +57,7 @@ class WorkerSide:
         self.no_worker_reason = "no worker has announced itself yet"
         self.bad_messages = 0
         self.workers_lost = 0
+        self.thread_switches = 0  # changes of the worker's thread count seen in its results
         self.busy_s = 0.0  # planning steps and applying results, not waiting on the worker
         self.audits = AuditLog()
         self._hellos: dict[bytes, float] = {}  # unknown worker peer -> when we last greeted it
@@ -99,6 +100,8 @@ class WorkerSide:
             steps_in_flight=self.steps_in_flight,
             worker_resident_bytes=self.worker.resident_bytes if self.worker else 0,
             worker_decode_path=self.worker.decode_path if self.worker else "",
+            worker_threads=self.worker.num_threads if self.worker else 0,
+            worker_thread_switches_total=self.thread_switches,
             scheduler_busy_s_total=self.busy_s,
             bad_messages_total=self.bad_messages,
             workers_lost_total=self.workers_lost,
@@ -200,6 +203,9 @@ class WorkerSide:
             return None
         worker.resident_bytes = result.resident_bytes or worker.resident_bytes
         worker.decode_path = result.decode_path or worker.decode_path
+        if result.num_threads and worker.num_threads and result.num_threads != worker.num_threads:
+            self.thread_switches += 1
+        worker.num_threads = result.num_threads or worker.num_threads
         started = time.perf_counter()
         if result.error is not None:
             log.error("worker refused step %d: %s; recomputing", result.step_id, result.error)

@@ -26,6 +26,8 @@ class WorkerConfig:
     at most this many tokens run on the file's own 4-bit weights (0: never).
     ``compile``: on CPU, decode-only steps of at most 32 rows run as one ``torch.compile``d graph
     (``worker.compiled``); None: wherever it pays (CPU, off the generic path, torch >= 2.13).
+    ``adapt_threads``: on CPU with one rank, drop to one thread while another process holds a
+    core, and come back when it is free (``worker.threads``).
     ``generic_path``: run on CPU exactly the code CUDA runs: the torch attention backend, plain
     ``F.linear`` weights (no oneDNN packing, no 4-bit matrices) and torch's argmax, none of
     ``worker.kernels``. It tests that path where there is no GPU.
@@ -44,6 +46,7 @@ class WorkerConfig:
     q4_max_tokens: int = 8
     compile: bool | None = None
     generic_path: bool = False
+    adapt_threads: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -37,6 +37,7 @@ from worker.rows import RowTable, written_blocks
 from worker.sampler import Sampler
 from worker.shapes import padded_count
 from worker.sharding import Shard
+from worker.threads import ThreadGovernor
 
 log = logging.getLogger("nanoserve.worker")
 
@@ -63,6 +64,9 @@ class Worker:
         bound_onednn_cache()
         # By default the CPUs this process may use, shared between the host's ranks.
         torch.set_num_threads(config.num_threads or max(1, usable_cpus() // group.local_size))
+        # One rank on CPU may drop to one thread beside a neighbour (ranks must stay alike).
+        adapts = config.adapt_threads and config.resolved_device == "cpu" and group.size == 1
+        self.threads = ThreadGovernor(torch.get_num_threads() if adapts else 1)
         self.config = config
         self.group = group
         self.device = config.resolved_device
@@ -256,7 +260,9 @@ class Worker:
             grammar_fill_s=masks.fill_s if masks else 0.0,
             grammar_apply_s=masks.apply_s if masks else 0.0,
             decode_path=self.decode_path,
+            num_threads=torch.get_num_threads(),
         )
+        self.threads.after_step(result.forward_s)  # the next step may run on another count
         return result, logits
 
     def _forward(self, step: StepInput, applied) -> torch.Tensor | None:

@@ -41,6 +41,13 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=env("seed", 0, int))
     group.add_argument("--threads", type=int, default=env("threads", None, int))
     group.add_argument(
+        "--adapt-threads",
+        action=argparse.BooleanOptionalAction,
+        default=env("adapt_threads", True, bool),
+        help="CPU: drop to one thread while another process holds a core (a step's threads "
+        "wait for each other at every barrier), and probe for the cores coming back (default on)",
+    )
+    group.add_argument(
         "--q4-max-tokens",
         type=int,
         default=env("q4_max_tokens", 8, int),
@@ -164,6 +171,7 @@ def worker_config(args: argparse.Namespace):
         q4_max_tokens=args.q4_max_tokens,
         compile=args.compile,
         generic_path=args.generic_path,
+        adapt_threads=args.adapt_threads,
     )
 
 
