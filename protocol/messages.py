@@ -228,7 +228,8 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     - ``worker_ready``: a worker has announced itself and not been lost since.
     - ``worker_busy_s_total``: the worker's own time in the steps counted by ``num_steps_total``.
     - ``messages_during_step_total``: frontend messages taken in while a step was in flight.
-    - ``scheduler_busy_s_total``: time spent planning steps and applying their results.
+    - ``scheduler_busy_s_total``: CPU time the scheduler's loop spent planning steps and
+      applying their results.
     - ``bad_messages_total``: frames dropped (garbage, wrong type or version, a misfit worker).
     - ``workers_lost_total``, ``frontends_lost_total``: peers given up on (closed, or silent).
     - ``steps_in_flight``: steps sent and not yet answered (2 while overlap runs ahead).

@@ -3,7 +3,10 @@
 It owns an XPUB socket. Frontends subscribe while a browser has the page open; the XPUB tells us
 when the first subscription comes and the last goes, so a server nobody watches builds nothing.
 While watched, ``maybe_publish`` sends one ``PoolSnapshot`` at most every ``interval_s``, and
-less often when snapshots are expensive: their time is kept under ``budget`` of the wall clock.
+less often when the scheduler has little else to do: the snapshots' CPU time since the page
+opened stays under ``budget`` of the scheduler's own (planning and applying), except that a page
+hears at least every ``max_gap_s``. So an open page costs the scheduler a bounded share of its
+work at any load.
 A snapshot is built only while the loop would otherwise wait (for a step's result, or for
 work), so it never holds a step back. Sends never block: a PUB socket drops
 what a slow subscriber cannot take, so no subscriber can slow the scheduler.
@@ -41,17 +44,21 @@ class Monitor:
         workers: WorkerSide,
         *,
         interval_s: float = 0.25,
-        budget: float = 0.01,
+        budget: float = 0.03,
+        max_gap_s: float = 1.0,
     ) -> None:
         self.socket = socket
         self.frontends = frontends
         self.workers = workers
         self.interval_s = interval_s
         self.budget = budget
+        self.max_gap_s = max_gap_s
         self.topics: set[bytes] = set()  # subscribed topics (any subscription means watched)
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # CPU time building and sending snapshots
         self.sent = 0
         self._next_at = 0.0
+        self._last_at = 0.0  # when the last snapshot went out
+        self._watched_from = (0.0, 0.0)  # (scheduler busy, snapshot busy) when watching began
         self._started = time.monotonic()
         self._encoder = msgspec.msgpack.Encoder()
         self._events: deque[MonitorEvent] = deque(maxlen=EVENTS_SENT)
@@ -75,6 +82,7 @@ class Monitor:
                 if not self.topics:
                     log.info("the web page's feed is watched")
                     self._next_at = 0.0
+                    self._watched_from = (self.workers.busy_s, self.busy_s)
                 self.topics.add(frame[1:])
             elif frame[:1] == b"\x00":
                 self.topics.discard(frame[1:])
@@ -88,22 +96,26 @@ class Monitor:
             return
         if self.workers.can_step():
             return  # another step goes out first; a later turn of the loop publishes
+        scheduler_s, snapshots_s = self._watched_from
+        allowed = self.budget * (self.workers.busy_s - scheduler_s)
+        if self.busy_s - snapshots_s > allowed and now - self._last_at < self.max_gap_s:
+            return
         self.publish()
-        spent = time.monotonic() - now
-        self._next_at = now + max(self.interval_s, spent / self.budget)
+        self._last_at = now
+        self._next_at = now + self.interval_s
 
     def publish(self) -> None:
         """Build and send one snapshot now (dropped if the socket cannot take it)."""
         if self.socket is None:
             return
-        started = time.perf_counter()
+        started = time.thread_time()
         payload = self._encoder.encode(self.snapshot())
         try:
             self.socket.send(payload, zmq.DONTWAIT, copy=False)
             self.sent += 1
         except zmq.Again:
             pass  # the high-water mark: this frame is lost, the next one will do
-        self.busy_s += time.perf_counter() - started
+        self.busy_s += time.thread_time() - started
 
     def snapshot(self) -> PoolSnapshot:
         """The pool, the queues, health and the latest events, as of now."""

@@ -58,7 +58,9 @@ class WorkerSide:
         self.bad_messages = 0
         self.workers_lost = 0
         self.thread_switches = 0  # changes of the worker's thread count seen in its results
-        self.busy_s = 0.0  # planning steps and applying results, not waiting on the worker
+        # CPU time of this loop planning steps and applying results (not waiting on the worker,
+        # and not time other processes took the core from it)
+        self.busy_s = 0.0
         self.audits = AuditLog()
         self._hellos: dict[bytes, float] = {}  # unknown worker peer -> when we last greeted it
         self._nothing_to_plan = False  # the last plan() found nothing: wait for an event
@@ -206,7 +208,7 @@ class WorkerSide:
         if result.num_threads and worker.num_threads and result.num_threads != worker.num_threads:
             self.thread_switches += 1
         worker.num_threads = result.num_threads or worker.num_threads
-        started = time.perf_counter()
+        started = time.thread_time()
         if result.error is not None:
             log.error("worker refused step %d: %s; recomputing", result.step_id, result.error)
             engine.worker_lost()  # the steps in flight too: their results come stale
@@ -215,7 +217,7 @@ class WorkerSide:
         if self.config.audit:
             # InvariantViolation ends the process, loudly (the log keeps it for the web page)
             self.audits.run(lambda: engine.audit(result.rows))
-        self.busy_s += time.perf_counter() - started
+        self.busy_s += time.thread_time() - started
         return WorkerNews(outputs=outputs)
 
     # -- steps ---------------------------------------------------------------------------------
@@ -241,9 +243,9 @@ class WorkerSide:
         if engine is None or worker is None:
             return
         while self.can_step():
-            started = time.perf_counter()
+            started = time.thread_time()
             step = engine.plan()
-            self.busy_s += time.perf_counter() - started
+            self.busy_s += time.thread_time() - started
             if step is None:
                 self._nothing_to_plan = True
                 return

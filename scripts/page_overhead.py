@@ -8,7 +8,7 @@ load (concurrency 32 by default).
 A page here is a client of ``/page/stream`` that reads and parses every frame, as the browser
 does (the browser's own drawing runs on the viewer's machine, not the server's). The modes
 alternate within each round, so a machine that gets busier affects them alike. The scheduler's
-time per iteration is ``nanoserve:scheduler_busy_seconds_total`` (planning and applying
+time per iteration is ``nanoserve:scheduler_busy_seconds_total`` (CPU time planning and applying
 steps) plus the time the scheduler spent on snapshots (``monitor_s_total`` in the stream), per
 step of ``nanoserve:num_steps``.
 """
