@@ -17,8 +17,8 @@ scheduler wake in short bursts and cost a few percent. Threads that barely ran i
 (ZeroMQ's, the heartbeat) are left out: they wait on every wake-up, whatever the load. Above
 ``threshold`` the governor drops to one thread. One thread cannot see whether the neighbour
 left (it has a core of its own), so after ``backoff_s`` it probes: the full count for one
-window or ``probe_steps`` steps, whichever is shorter, kept if the share stays under the
-threshold, else one thread again and a doubled backoff (at most ``max_backoff_s``), so a
+window or ``probe_steps`` steps, whichever is shorter, kept if the share stays under
+``free_below``, else one thread again and a doubled backoff (at most ``max_backoff_s``), so a
 neighbour that stays costs a probe a minute at most.
 """
 
@@ -79,6 +79,7 @@ class ThreadGovernor:
         full: int,
         *,
         threshold: float = 0.35,
+        free_below: float = 0.2,
         window_s: float = 0.25,
         probe_steps: int = 3,
         backoff_s: float = 2.0,
@@ -89,6 +90,7 @@ class ThreadGovernor:
     ) -> None:
         self.full = full
         self.threshold = threshold
+        self.free_below = free_below
         self.window_s = window_s
         self.probe_steps = probe_steps
         self.min_backoff_s = backoff_s
@@ -126,7 +128,9 @@ class ThreadGovernor:
             return
         self.last_share = waiting_share(self._times, times, wall)
         self._begin(now, times)
-        if self.last_share > self.threshold:
+        # Hysteresis: a probe is kept only well under the threshold (beside a neighbour, short
+        # probes read 25-33% now and then, and flapped back two seconds later).
+        if self.last_share > (self.free_below if self._probing else self.threshold):
             if self._probing:
                 self.backoff_s = min(self.backoff_s * 2, self.max_backoff_s)
             self._probing = False

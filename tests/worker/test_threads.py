@@ -80,6 +80,18 @@ def test_a_neighbour_drops_it_to_one_thread_and_probes_back_with_backoff() -> No
     assert fake.set == [1, 2, 1, 2] and governor.switches == 4
 
 
+def test_a_probe_is_kept_only_well_under_the_threshold() -> None:
+    """Hysteresis: two threads stay at a 28% share, but a probe reading 28% is not kept."""
+    fake = Fake()
+    governor = fake.governor()
+    fake.steps(governor, 1.0, waited=0.28)
+    assert fake.set == []
+    fake.steps(governor, 0.3, waited=0.6)
+    until_probe(fake, governor)
+    fake.steps(governor, 0.15, waited=0.28)
+    assert fake.set == [1, 2, 1] and governor.backoff_s == 4.0
+
+
 def test_a_neighbour_that_stays_costs_a_probe_a_minute_at_most() -> None:
     fake = Fake()
     governor = fake.governor()
