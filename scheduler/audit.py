@@ -40,7 +40,7 @@ def audit_all(scheduler: Scheduler, rows: list[RowSummary] | None = None) -> Non
     audit_cache(scheduler, shared)
     audit_slots(scheduler)
     audit_requests(scheduler)
-    audit_block_states(scheduler)  # last: the ledger itself is checked by then
+    audit_block_states(scheduler, shared)  # last: the ledger itself is checked by then
     if rows is not None:
         audit_rows(scheduler, rows)
 

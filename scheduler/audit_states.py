@@ -9,16 +9,18 @@ block's byte in C (a pool may hold 100k blocks), and the counts of each state se
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from itertools import compress
+from operator import itemgetter
 
 from protocol.monitor import CACHED, FREE, HELD, SHARED, STATES
 from scheduler.errors import InvariantViolation
 from scheduler.scheduler import Scheduler
 
 
-def audit_block_states(scheduler: Scheduler) -> None:
-    """Every block's byte matches its place in the ledger."""
+def audit_block_states(scheduler: Scheduler, shared: set[int] | None = None) -> None:
+    """Every block's byte matches its place in the ledger. ``shared``: the blocks with several
+    holders, as ``audit_pool`` returned them (found again when not given)."""
     allocator = scheduler.allocator
     states = allocator.block_states
     counts = allocator.ref_counts
@@ -27,11 +29,12 @@ def audit_block_states(scheduler: Scheduler) -> None:
         raise InvariantViolation(
             f"the block states cover {len(states)} blocks of {allocator.num_blocks}"
         )
-    shared: set[int] = set()
-    if sum(counts.values()) != len(counts):  # some block has several holders (in C)
-        shared = set(compress(counts.keys(), map((1).__lt__, counts.values())))
+    if shared is None:
+        shared = set()
+        if sum(counts.values()) != len(counts):  # some block has several holders (in C)
+            shared = set(compress(counts.keys(), map((1).__lt__, counts.values())))
     _expect(states, shared, SHARED, "shared")
-    held = bytes(map(states.__getitem__, counts.keys()))
+    held = _picked(states, counts.keys())
     if held.count(HELD) + held.count(SHARED) != len(held):
         _expect(states, counts.keys(), HELD, "held", allowed=(HELD, SHARED))
     if held.count(SHARED) != len(shared):
@@ -40,13 +43,20 @@ def audit_block_states(scheduler: Scheduler) -> None:
         raise InvariantViolation(
             f"block {block} is shown as {STATES[states[block]]} but has {holders} holder(s)"
         )
-    if bytes(map(states.__getitem__, evictable)).count(CACHED) != len(evictable):
+    if _picked(states, evictable).count(CACHED) != len(evictable):
         _expect(states, evictable, CACHED, "cached-free")
     # Held and cached-free blocks are right and the states partition the pool (audit_pool):
     # the uncached-free blocks are the rest, so their count settles them.
     free = len(allocator.uncached_free_blocks)
     if states.count(FREE) != free:
         _expect(states, allocator.uncached_free_blocks, FREE, "free")
+
+
+def _picked(states: bytearray, blocks: Collection[int]) -> tuple[int, ...]:
+    """The bytes of ``blocks``, read in C (itemgetter: no Python call per block)."""
+    if len(blocks) < 2:
+        return tuple(states[block] for block in blocks)
+    return itemgetter(*blocks)(states)
 
 
 def _expect(
