@@ -31,6 +31,11 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.
 # What the kernels' instructions need, as /proc/cpuinfo names them.
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 _CFLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+# at::parallel_for splits work over OpenMP threads only where the caller is built with OpenMP:
+# without it the kernels ran on one thread of the worker's two (its header's pragma ignored).
+# Linked against libgomp.so.1, the loader reuses the copy torch loaded (the same soname), so
+# the kernels share torch's thread pool and follow torch.set_num_threads.
+_OPENMP = ["-fopenmp"]
 # Used where the CPU has it (the attention's scores then take vdpbf16ps), not required.
 BF16_FLAG = "avx512_bf16"
 
@@ -61,7 +66,7 @@ def uses_bf16() -> bool:
 
 def cflags() -> list[str]:
     """The compiler's flags for this CPU."""
-    return _CFLAGS + (["-mavx512bf16"] if uses_bf16() else [])
+    return _CFLAGS + _OPENMP + (["-mavx512bf16"] if uses_bf16() else [])
 
 
 @functools.cache
@@ -113,6 +118,7 @@ def _load() -> Path:
             name="nanoserve_kernels",
             sources=[str(source) for source in SOURCES],
             extra_cflags=cflags(),
+            extra_ldflags=_OPENMP,
             build_directory=str(build),
             is_python_module=False,
             verbose=False,
