@@ -6,6 +6,10 @@ K/V, read in place (see ``csrc/decode_attention.cpp``). The CPU-kernel attention
 (``worker.attention.cpu_kernel``) decodes with it, eager and compiled, instead of a gather, two
 matmuls and a softmax.
 
+``torch.ops.nanoserve.prefill_attention``: one prefill span's causal attention over its paged
+bfloat16 K/V (see ``csrc/prefill_attention.cpp``); the same backend's prefills, where the CPU has
+AVX512-BF16, instead of SDPA's flash kernel (4 to 5 times slower on these heads).
+
 ``torch.ops.nanoserve.argmax``: torch.argmax over float32 rows, vectorized (``csrc/argmax.cpp``);
 the sampler's greedy choices.
 
@@ -27,7 +31,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "argmax.cpp")]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("decode_attention.cpp", "prefill_attention.cpp", "argmax.cpp")
+]
 # What the kernels' instructions need, as /proc/cpuinfo names them.
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 _CFLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
@@ -133,6 +140,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("nanoserve::decode_attention")
     def _(q, kv, layer, blocks, cached, block_size):
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("nanoserve::prefill_attention")
+    def _(q, layer, blocks, start, block_size):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("nanoserve::argmax")

@@ -151,6 +151,99 @@ def test_it_refuses_what_it_cannot_compute():
         torch.ops.nanoserve.decode_attention(q, kv[:, :, :0], layer[:, :0], blocks, cached, BLOCK)
 
 
+def _prefill_case(n_kv: int, nq: int, hd: int, start: int, n: int, seed: int):
+    """A span of n queries from position ``start`` over scattered blocks of a 48-block pool,
+    q a strided view as the model passes it."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = torch.randn(2, n_kv, 48 * BLOCK, hd, generator=gen).bfloat16()
+    blocks = torch.randperm(48, generator=gen)[: -(-(start + n) // BLOCK)]
+    qkv = torch.randn(n, nq + 2 * n_kv, hd, generator=gen).bfloat16()
+    return qkv[:, :nq], layer, blocks
+
+
+def _prefill_reference(q, layer, blocks, start):
+    """float64 causal softmax attention: query i over positions [0, start + i]."""
+    n, nq, hd = q.shape
+    n_kv = layer.shape[1]
+    group = nq // n_kv
+    slots = [int(blocks[t // BLOCK]) * BLOCK + t % BLOCK for t in range(start + n)]
+    out = torch.empty(n, nq, hd, dtype=torch.float64)
+    for h in range(n_kv):
+        keys, values = layer[0, h, slots].double(), layer[1, h, slots].double()  # (L, hd)
+        queries = q[:, h * group : (h + 1) * group].double()  # (n, group, hd)
+        scores = torch.einsum("ngd,ld->ngl", queries, keys) / hd**0.5
+        seen = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]  # (n, L)
+        scores = scores.masked_fill(~seen[:, None], float("-inf"))
+        out[:, h * group : (h + 1) * group] = torch.softmax(scores, -1) @ values
+    return out
+
+
+@pytest.mark.skipif(
+    not kernels.uses_bf16(), reason="the prefill operator needs AVX512-BF16 (else: SDPA)"
+)
+@pytest.mark.parametrize(
+    "n_kv, nq, hd",
+    [(3, 9, 64), (2, 14, 128), (1, 8, 32), (4, 4, 64), (2, 16, 64)],
+    ids=["smollm2", "qwen2", "mqa", "mha", "group8"],
+)
+@pytest.mark.parametrize(
+    "start, n", [(0, 1), (0, 16), (0, 37), (15, 2), (16, 16), (100, 33), (5, 200)]
+)
+def test_prefill_attention_equals_float64_causal_attention(n_kv, nq, hd, start, n):
+    """Fresh spans and spans after a cached prefix, within, at and across block and 16-position
+    tile edges, odd and even lengths (the work is split in pairs of queries)."""
+    q, layer, blocks = _prefill_case(n_kv, nq, hd, start, n, seed=start + n + hd)
+    assert q.stride(0) == (nq + 2 * n_kv) * hd  # a view of the qkv output
+    got = torch.ops.nanoserve.prefill_attention(q, layer, blocks, start, BLOCK)
+    want = _prefill_reference(q, layer, blocks, start)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    error = (got.double() - want).abs()
+    assert (error <= want.abs() * 2**-8 + 1e-4).all(), error.max().item()
+
+
+@pytest.mark.skipif(not kernels.uses_bf16(), reason="the prefill operator needs AVX512-BF16")
+def test_prefill_attention_reads_only_the_positions_each_query_may_see():
+    q, layer, blocks = _prefill_case(3, 9, 64, 20, 10, seed=7)
+    before = torch.ops.nanoserve.prefill_attention(q, layer, blocks, 20, BLOCK)
+    poisoned = layer.clone()
+    for block in set(range(48)) - {int(b) for b in blocks}:  # no block of the span's
+        poisoned[:, :, block * BLOCK : (block + 1) * BLOCK] = float("nan")
+    # Past the span's end (positions 30 and 31, in its last block): read by no query.
+    poisoned[:, :, int(blocks[1]) * BLOCK + 14 : int(blocks[1] + 1) * BLOCK] = float("nan")
+    assert torch.equal(
+        torch.ops.nanoserve.prefill_attention(q, poisoned, blocks, 20, BLOCK), before
+    )
+    # Position 25's key: queries at 20..24 do not see it, those at 25..29 do.
+    poisoned[0, :, int(blocks[1]) * BLOCK + 9] += 1
+    after = torch.ops.nanoserve.prefill_attention(q, poisoned, blocks, 20, BLOCK)
+    assert torch.equal(after[:5], before[:5])
+    assert all(not torch.equal(after[i], before[i]) for i in range(5, 10))
+
+
+@pytest.mark.skipif(not kernels.uses_bf16(), reason="the prefill operator needs AVX512-BF16")
+def test_prefill_attention_refuses_what_it_cannot_compute():
+    q, layer, blocks = _prefill_case(3, 9, 64, 10, 20, seed=3)
+    attend = torch.ops.nanoserve.prefill_attention
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        attend(q.float(), layer, blocks, 10, BLOCK)
+    with pytest.raises(RuntimeError, match="contiguous int64"):
+        attend(q, layer, blocks.int(), 10, BLOCK)
+    assert not torch.ops.nanoserve.prefill_attention_supports(16, 3)
+    assert not torch.ops.nanoserve.prefill_attention_supports(64, 9)
+    # Indices that would read outside the tensors are refused, not followed.
+    with pytest.raises(RuntimeError, match=r"positions \[0, 47\) need more than the table's 2"):
+        attend(q, layer, blocks[:2], 27, BLOCK)
+    for bad_block in (-1, 48):
+        wrong = blocks.clone()
+        wrong[1] = bad_block
+        with pytest.raises(RuntimeError, match=f"block {bad_block} is outside the pool of 48"):
+            attend(q, layer, wrong, 10, BLOCK)
+    with pytest.raises(RuntimeError, match="block_size must divide"):
+        attend(q, layer, blocks, 10, 0)
+    with pytest.raises(RuntimeError, match="needs head_dim 32, 64 or 128"):
+        attend(q, layer[:, :2], blocks, 10, BLOCK)
+
+
 def _argmax_rows(width: int, seed: int) -> torch.Tensor:
     """Nine rows of ``width`` logits, each a case torch.argmax settles in its own way."""
     x = torch.randn(9, width, generator=torch.Generator().manual_seed(seed))

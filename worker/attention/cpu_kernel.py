@@ -1,23 +1,31 @@
-"""``CpuKernelBackend``: decodes through nanoserve's own CPU operator.
+"""``CpuKernelBackend``: decodes and prefills through nanoserve's own CPU operators.
 
 ``torch.ops.nanoserve.decode_attention`` (``worker/csrc/decode_attention.cpp``, built by
 ``worker.kernels``) reads each row's bfloat16 blocks in place, where the torch backend first
 gathers them into a copy: a decode's attention costs one pass over its K/V. Eager and compiled
-steps call the same operator. Prefills are the torch backend's.
+steps call the same operator.
+
+``torch.ops.nanoserve.prefill_attention`` (``worker/csrc/prefill_attention.cpp``) takes each
+prefill span, fresh or continuing a cached prefix, from its blocks in place: 4 to 5 times
+faster than SDPA's flash kernel on these heads. Where it is not built (no AVX512-BF16), prefills
+are the torch backend's.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from worker import kernels
 from worker.attention.base import Scratch
-from worker.attention.metadata import DecodeRows
+from worker.attention.metadata import DecodeRows, PrefillSpan
 from worker.attention.torch_backend import TorchBackend
 
 
 class CpuKernelBackend(TorchBackend):
-    """Decodes in ``torch.ops.nanoserve.decode_attention``; prefills in SDPA."""
+    """Decodes in ``torch.ops.nanoserve.decode_attention``, prefills in
+    ``torch.ops.nanoserve.prefill_attention`` (or SDPA where it is not built)."""
 
     name = "cpu-kernel"
 
@@ -45,3 +53,20 @@ class CpuKernelBackend(TorchBackend):
         return torch.ops.nanoserve.decode_attention(
             q, kv, layer, rows.blocks, rows.cached, self.block_size
         )
+
+    def prefill(
+        self, q: torch.Tensor, kv: torch.Tensor, layer: torch.Tensor, span: PrefillSpan
+    ) -> torch.Tensor:
+        """See ``AttentionBackend.prefill``; reads the span's K/V from the pool, where
+        ``forward`` has just written them."""
+        if not _prefill_kernel(self.head_dim, self.n_heads // self.n_kv_heads):
+            return super().prefill(q, kv, layer, span)
+        return torch.ops.nanoserve.prefill_attention(
+            q[span.begin : span.end], layer, span.blocks, span.start, self.block_size
+        )
+
+
+@functools.cache
+def _prefill_kernel(head_dim: int, group: int) -> bool:
+    """Whether the prefill operator is built here (AVX512-BF16) for these heads."""
+    return torch.ops.nanoserve.prefill_attention_supports(head_dim, group)

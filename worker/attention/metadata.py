@@ -61,8 +61,9 @@ class PrefillSpan:
     begin: int
     end: int
     start: int
-    blocks: torch.Tensor | None  # (M,) the row's block ids, None for a fresh prefill
-    mask: torch.Tensor | None  # (n, M * block_size) bool, True where a query may attend
+    blocks: torch.Tensor  # (M,) the row's block ids for positions [0, start + n)
+    mask: torch.Tensor | None  # (n, M * block_size) bool, True where a query may attend; None
+    # for a fresh prefill (start 0: plainly causal)
 
 
 @dataclass(frozen=True)
@@ -133,10 +134,10 @@ def _padded_decodes(decodes, offset: int, num_tokens: int, mixed: bool):
 
 
 def _prefill_span(table, start, n, offset, block_size, device) -> PrefillSpan:
-    if start == 0:
-        return PrefillSpan(offset, offset + n, 0, None, None)
     used = blocks_for(start + n, block_size)
     blocks = torch.tensor(table[:used], dtype=torch.long, device=device)
+    if start == 0:
+        return PrefillSpan(offset, offset + n, 0, blocks, None)
     queries = torch.arange(start, start + n)[:, None]  # (n, 1) absolute positions
     mask = (torch.arange(used * block_size)[None, :] <= queries).to(device)  # (n, M * bs)
     return PrefillSpan(offset, offset + n, start, blocks, mask)

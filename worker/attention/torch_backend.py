@@ -58,14 +58,14 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         """See ``AttentionBackend.prefill``."""
         qs = q[span.begin : span.end].transpose(0, 1)  # (n_heads, n, hd)
-        if span.blocks is None:
+        if span.start == 0:
             ks = kv[span.begin : span.end, 0].transpose(0, 1)  # (n_kv, n, hd)
             vs = kv[span.begin : span.end, 1].transpose(0, 1)
         else:
             ks, vs = gather_blocks(layer, span.blocks, self.block_size)  # (n_kv, M * bs, hd)
         # 4-D with enable_gqa: CPU's flash kernel takes only 4-D inputs (3-D falls back to the
         # slower math kernel), and with 4-D it handles GQA without repeated K/V.
-        if span.blocks is None:
+        if span.start == 0:
             out = F.scaled_dot_product_attention(
                 qs[None], ks[None], vs[None], is_causal=True, enable_gqa=True
             )
