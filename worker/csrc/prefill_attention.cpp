@@ -22,10 +22,12 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 
 namespace {
 
 constexpr int64_t kTile = 16;  // positions per repacked key vector
+constexpr int64_t kSerialTiles = 512;  // (query, KV head, tile) triples below which one thread
 
 #ifdef __AVX512BF16__
 
@@ -213,7 +215,16 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& layer,
   float* vf = values.data_ptr<float>();
   // Repack: position t of head h, dimensions (2p, 2p + 1) -> keys[h][t / 16][p][t % 16], and the
   // values widened; positions past the span's end are zeros (masked out by every query).
-  at::parallel_for(0, n_kv * tiles, 1, [&](int64_t begin, int64_t end) {
+  // A few queries over a short prefix are less work than waking the other OpenMP threads
+  // (about 0.2 us a tile of 16 positions, per query and KV head, on one thread).
+  const bool serial = n * n_kv * ((start + (n + 1) / 2 + kTile - 1) / kTile) < kSerialTiles;
+  auto split = [serial](int64_t count, const std::function<void(int64_t, int64_t)>& f) {
+    if (serial)
+      f(0, count);
+    else
+      at::parallel_for(0, count, 1, f);
+  };
+  split(n_kv * tiles, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / tiles, j = task % tiles;
       uint32_t* kt = kp + (h * tiles + j) * pairs * kTile;
@@ -240,13 +251,14 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& layer,
   // Query i costs about start + i positions: task k takes queries k and n - 1 - k, so every
   // task (and each thread's even share of them) costs the same.
   const int64_t halves = (n + 1) / 2;
-  at::parallel_for(0, n_kv * halves, 1, [&](int64_t begin, int64_t end) {
+  auto run = [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task % n_kv, k = task / n_kv;
       fn(s, k, h);
       if (n - 1 - k != k) fn(s, n - 1 - k, h);
     }
-  });
+  };
+  split(n_kv * halves, run);
 #endif
   return out;
 }
