@@ -11,10 +11,11 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from protocol.blocks import blocks_for
 from protocol.messages import SamplingParams, StepInput, StepItem
+from worker.bench_floor import Floor, read_bandwidth, step_floor
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -28,6 +29,7 @@ class BenchRow:
     prefill_tokens_per_s: float
     decode_step_s: float
     breakdown: dict[str, float] | None = None  # category -> ms per decode step
+    floor: Floor | None = None  # with the breakdown: the bytes the step must stream
 
 
 def bench_forward(
@@ -47,6 +49,7 @@ def bench_forward(
     from worker.config import WorkerConfig
     from worker.worker import Worker
 
+    bandwidth = read_bandwidth() if profile else 0.0
     largest, block_size = max(batch_sizes), 16
     blocks_per_row = blocks_for(context + 2 * decode_steps + 2, block_size)
     rows = []
@@ -66,9 +69,11 @@ def bench_forward(
         worker = Worker(config, progress=False)
         vocab = worker.spec.vocab_size
         for batch in batch_sizes:
-            rows.append(
-                _one(worker, dtype, batch, context, decode_steps, blocks_per_row, vocab, profile)
-            )
+            row = _one(worker, dtype, batch, context, decode_steps, blocks_per_row, vocab, profile)
+            if profile:
+                floor = step_floor(worker.model, batch, context, worker.dtype, bandwidth)
+                row = replace(row, floor=floor)
+            rows.append(row)
     return rows
 
 
@@ -179,6 +184,27 @@ def format_breakdown(rows: list[BenchRow]) -> str:
     for name in names:
         cells = " | ".join(f"{r.breakdown.get(name, 0.0):.1f}" for r in profiled)
         lines.append(f"| {name} | {cells} |")
+    floors = [(r, r.floor) for r in profiled if r.floor is not None]
+    if len(floors) == len(profiled):
+        mb = 1 << 20
+        gbs = profiled[0].floor.bandwidth / 1e9
+        lines.append(
+            "| MiB a step must read: linears + lm head + K/V | "
+            + " | ".join(
+                f"{f.linears / mb:.1f} + {f.head / mb:.1f} + {f.kv / mb:.1f}" for _, f in floors
+            )
+            + " |"
+        )
+        lines.append(
+            f"| floor at {gbs:.1f} GB/s (a 512 MiB read) | "
+            + " | ".join(f"{f.seconds * 1000:.1f}" for _, f in floors)
+            + " |"
+        )
+        lines.append(
+            "| the step (unprofiled median) against its floor | "
+            + " | ".join(f"{r.decode_step_s / f.seconds:.1f}x" for r, f in floors)
+            + " |"
+        )
     return "\n".join(lines)
 
 

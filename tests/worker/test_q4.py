@@ -162,3 +162,36 @@ def test_layers_take_only_4bit_matrices_and_the_lm_head_takes_8bit_for_one_row(t
     assert layer.mlp.down_proj.q4 is not None and layer.mlp.down_proj.q4_max_tokens == 8
     head = worker.model.lm_head
     assert head.q4_halves == 2 and head.q4_max_tokens == 1
+
+
+@pytest.mark.slow
+def test_the_floor_counts_the_weight_form_each_batch_size_reads(tiny_dir):
+    """``bench forward --profile``'s floor: 4-bit bytes where a step of that size takes the
+    4-bit matrix, bfloat16 bytes where it does not, the lm head's 8-bit halves for one row,
+    one embedding row per token, and the K/V attended over."""
+    from worker.bench_floor import read_bandwidth, step_floor
+
+    worker = make_worker(tiny_dir, dtype="bfloat16", q4_max_tokens=0)
+    down = _random_q4(64, 128, seed=10)
+    tensors = {
+        "model.layers.0.mlp.down_proj.weight": down,
+        "lm_head.weight": _q8_blocks(_q8_rows(256, 64, seed=11)),
+    }
+    assert worker.model.attach_q4(tensors, max_tokens=8) == 2
+    spec, model = worker.model.spec, worker.model
+    d, inter, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    per_layer = d * (spec.n_heads + 2 * spec.n_kv_heads) * hd + spec.n_heads * hd * d
+    per_layer += 2 * inter * d + inter * d  # gate|up fused, then down
+    plain = spec.num_layers * per_layer * 2  # bfloat16, each fused matrix counted once
+    packed_down = model.model.layers[0].mlp.down_proj.q4
+    q4_bytes = sum(t.numel() * t.element_size() for t in packed_down)
+    head_q8 = sum(t.numel() * t.element_size() for t in model.lm_head.q4)
+
+    one, two, nine = (step_floor(model, b, 10, torch.bfloat16, 2e9) for b in (1, 2, 9))
+    assert nine.linears == plain + 9 * d * 2  # nothing 4-bit at 9 rows
+    assert two.linears == plain - inter * d * 2 + q4_bytes + 2 * d * 2
+    assert q4_bytes < inter * d  # 4 bits and a scale and zero per 32: under a byte a weight
+    assert one.head == head_q8 and two.head == spec.vocab_size * d * 2
+    assert two.kv == 2 * 10 * spec.num_layers * 2 * spec.n_kv_heads * hd * 2
+    assert two.seconds == (two.linears + two.head + two.kv) / 2e9
+    assert read_bandwidth(repeats=1) > 1e8  # bytes a second: any machine reads 100 MB/s
