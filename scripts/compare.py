@@ -206,7 +206,9 @@ def bench_noisy(name: str, label: str, server, args, work: Path) -> list[dict]:
     """``bench_all`` beside ``args.noisy_neighbour`` busy loops at nice 19, ended by PID."""
     children = noisy_neighbour.start(args.noisy_neighbour, 19)
     try:
-        return bench_all(name, f"{label} + noise", server, args, work)
+        # Other prompts than the quiet run's: the same ones would be prefix-cache hits (nanoserve
+        # and llama.cpp's slots alike), and the noisy run would skip most of its prefill.
+        return bench_all(name, f"{label} + noise", server, args, work, seed=1)
     finally:
         noisy_neighbour.stop(children)
 
@@ -280,24 +282,25 @@ def readme_verdicts(rows: list[dict]) -> list[str]:
     return lines
 
 
-def bench_all(name: str, label: str, server, args, work: Path) -> list[dict]:
+def bench_all(name: str, label: str, server, args, work: Path, seed: int = 0) -> list[dict]:
     """Bench a started server at every concurrency (it keeps running)."""
     rows = []
     for concurrency in args.concurrency:
         out = work / f"{name}-{label}-c{concurrency}.json".replace(" ", "_").replace("+", "")
-        report = bench(server.url, concurrency, args, out)
+        report = bench(server.url, concurrency, args, out, seed)
         rows.append({**report, "server": name, "dtype": label, "concurrency": concurrency})
         print(format_table(rows[-1:]), flush=True)
     return rows
 
 
-def bench(url: str, concurrency: int, args: argparse.Namespace, out: Path) -> dict:
-    """One ``nanoserve bench serve`` run; its JSON report, flattened for the table."""
+def bench(url: str, concurrency: int, args: argparse.Namespace, out: Path, seed: int = 0) -> dict:
+    """One ``nanoserve bench serve`` run; its JSON report, flattened for the table. Runs on one
+    server with the same ``seed`` send the same prompts: the later ones find them cached."""
     prompts = max(concurrency * args.waves, args.min_prompts)
     command = [sys.executable, "-m", "nanoserve.cli", "bench", "serve", "--base-url", url]
     command += ["--max-concurrency", str(concurrency), "--num-prompts", str(prompts)]
     command += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
-    command += ["--num-warmups", "2", "--json", str(out)]
+    command += ["--num-warmups", "2", "--seed", str(seed), "--json", str(out)]
     with open(out.with_suffix(".log"), "w") as log:  # the full vLLM-style report, kept aside
         try:
             subprocess.run(
