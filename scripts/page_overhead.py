@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -243,6 +244,8 @@ async def measure(url: str, args: argparse.Namespace, work: Path) -> list[dict]:
 
 def main() -> int:
     args = parse_args()
+    # SIGTERM as an exception, so the ``finally`` below still ends the server it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if 0 not in args.pages:
         raise SystemExit("--pages must include 0, the run the others are compared with")
     with tempfile.TemporaryDirectory(prefix="page-overhead-") as tmp:
