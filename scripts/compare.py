@@ -12,7 +12,11 @@ flags, the committed ``.env``, port 8000) and prints, for each start, the second
 /health answers, until the first chat reply, and until the worker's decode steps run compiled
 (read from /metrics, the compiled path engages without a restart); then the same load, and
 with ``--noisy-neighbour N`` the same load again beside N busy loops at nice 19
-(``scripts/noisy_neighbour.py``), llama-server likewise with ``--with-llamacpp``.
+(``scripts/noisy_neighbour.py``), llama-server likewise with ``--with-llamacpp``. Every server
+and every loop runs in a session of its own, as if each were started from its own terminal; the
+loops' sessions are at nice 19 too, since Linux's autogroup counts a nice value only inside its
+session. ``--equal-share`` adds, for the first start of each server, a run beside loops whose
+session is at nice 0: what a nice'd job from another terminal gets, one core of two.
 
 Every server runs the same ``nanoserve bench serve`` load (128 prompt tokens, 128 output tokens
 with ignore_eos, greedy, streaming) at each ``--concurrency``, one server at a time. llama.cpp's
@@ -202,13 +206,19 @@ def time_readme_start(server, label: str, compile_wait: float) -> dict:
     return row
 
 
-def bench_noisy(name: str, label: str, server, args, work: Path) -> list[dict]:
-    """``bench_all`` beside ``args.noisy_neighbour`` busy loops at nice 19, ended by PID."""
-    children = noisy_neighbour.start(args.noisy_neighbour, 19)
+def bench_noisy(
+    name: str, label: str, server, args, work: Path, session_nice: int = 19
+) -> list[dict]:
+    """``bench_all`` beside ``args.noisy_neighbour`` busy loops at nice 19, their sessions at
+    ``session_nice``, ended by PID."""
+    children = noisy_neighbour.start(args.noisy_neighbour, 19, session_nice)
+    suffix = "+ noise" if session_nice == 19 else "+ equal-share noise"
     try:
         # Other prompts than the quiet run's: the same ones would be prefix-cache hits (nanoserve
-        # and llama.cpp's slots alike), and the noisy run would skip most of its prefill.
-        return bench_all(name, f"{label} + noise", server, args, work, seed=1)
+        # and llama.cpp's slots alike), and the noisy run would skip most of its prefill. Seed 2
+        # for the equal-share run, after the nice-19 run's seed 1.
+        seed = 1 if session_nice == 19 else 2
+        return bench_all(name, f"{label} {suffix}", server, args, work, seed=seed)
     finally:
         noisy_neighbour.stop(children)
 
@@ -224,6 +234,8 @@ def readme_rows(args: argparse.Namespace, work: Path, logs: Path) -> tuple[list,
             rows += bench_all("nanoserve", f"README run {run}", server, args, work)
             if args.noisy_neighbour:
                 rows += bench_noisy("nanoserve", f"README run {run}", server, args, work)
+                if args.equal_share and run == 1:
+                    rows += bench_noisy("nanoserve", "README run 1", server, args, work, 0)
         finally:
             server.stop()
     if args.with_llamacpp:
@@ -233,6 +245,8 @@ def readme_rows(args: argparse.Namespace, work: Path, logs: Path) -> tuple[list,
                 rows += bench_all("llama.cpp", f"run {run}", server, args, work)
                 if args.noisy_neighbour and run == 1:  # once: it may collapse (--timeout)
                     rows += bench_noisy("llama.cpp", f"run {run}", server, args, work)
+                    if args.equal_share:
+                        rows += bench_noisy("llama.cpp", "run 1", server, args, work, 0)
             finally:
                 server.stop()
     if args.with_transformers:
@@ -277,6 +291,9 @@ def readme_verdicts(rows: list[dict]) -> list[str]:
             parts.append(f"noisy c32 {noisy32['output_throughput'] / tok:.0%} of quiet (bar 50%)")
         if noisy1 and c1:
             parts.append(f"noisy c1 ITL {noisy1['itl_median'] / c1['itl_median']:.2f}x (bar 2x)")
+        equal32 = find("nanoserve", f"README run {run} + equal-share noise", 32)
+        if equal32:
+            parts.append(f"equal-share c32 {equal32['output_throughput'] / tok:.0%} of quiet")
         lines.append("; ".join(parts))
         run += 1
     return lines
@@ -369,6 +386,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=1, help="--as-readme: starts, back to back")
     parser.add_argument(
         "--noisy-neighbour", type=int, default=0, help="also bench beside N busy loops (nice 19)"
+    )
+    parser.add_argument(
+        "--equal-share",
+        action="store_true",
+        help="--noisy-neighbour: also once beside loops whose session is at nice 0",
     )
     parser.add_argument(
         "--compile-wait", type=float, default=900, help="--as-readme: seconds to await compiled"

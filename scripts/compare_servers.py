@@ -48,7 +48,15 @@ class Server:
         """Start one process, its output going to <log_dir>/<label>.log."""
         with open(self.log_dir / f"{label}.log", "ab") as log:
             self.processes.append(
-                subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+                # A session of its own, as if started from its own terminal: with autogroup,
+                # sessions share the CPU first (scripts/noisy_neighbour.py).
+                subprocess.Popen(
+                    command,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             )
 
     def wait_ready(self, path: str, timeout: float) -> None:
