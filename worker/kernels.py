@@ -10,6 +10,10 @@ matmuls and a softmax.
 bfloat16 K/V (see ``csrc/prefill_attention.cpp``); the same backend's prefills, where the CPU has
 AVX512-BF16, instead of SDPA's flash kernel (4 to 5 times slower on these heads).
 
+``torch.ops.nanoserve.q4_linear``: a few bfloat16 rows times a GGUF 4-bit matrix, where the CPU
+has AVX512-BF16 (see ``csrc/q4_linear.cpp``); the small steps' linears (``worker.linear``),
+instead of torch's int4 kernel (about half as fast here).
+
 ``torch.ops.nanoserve.argmax``: torch.argmax over float32 rows, vectorized (``csrc/argmax.cpp``);
 the sampler's greedy choices.
 
@@ -33,7 +37,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("decode_attention.cpp", "prefill_attention.cpp", "argmax.cpp")
+    for name in ("decode_attention.cpp", "prefill_attention.cpp", "argmax.cpp", "q4_linear.cpp")
 ]
 # What the kernels' instructions need, as /proc/cpuinfo names them.
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
@@ -145,6 +149,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("nanoserve::prefill_attention")
     def _(q, layer, blocks, start, block_size):
         return q.new_empty(q.shape)
+
+    @torch.library.register_fake("nanoserve::q4_linear")
+    def _(x, packed, scale, low):
+        return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
     @torch.library.register_fake("nanoserve::argmax")
     def _(x):

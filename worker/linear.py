@@ -1,8 +1,9 @@
 """``Linear``: ``nn.Linear`` with the CPU's faster weight layouts.
 
 On CPU the worker may trade a weight for oneDNN's pre-packed layout (``pack``), and keep a GGUF
-file's own 4-bit integers beside it for small steps (``attach_q4``). The generic path (and CUDA)
-keeps the plain ``F.linear``.
+file's own 4-bit integers beside it for small steps (``attach_q4``): multiplied by nanoserve's
+own kernel where the CPU has AVX512-BF16 (``pack_q4``), else by torch's int4 kernel. The
+generic path (and CUDA) keeps the plain ``F.linear``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker import kernels
 from worker.gguf_reader import Q4Tensor
+
+# torch.ops.nanoserve.q4_linear's most rows (csrc/q4_linear.cpp's kMaxRows).
+Q4_KERNEL_MAX_ROWS = 8
 
 
 class Linear(nn.Linear):
@@ -25,6 +30,7 @@ class Linear(nn.Linear):
     q4: tuple[torch.Tensor, torch.Tensor] | None = None  # int4-packed weight, scales and zeros
     q4_max_tokens: int = 0
     q4_halves: int = 1  # 2 for an 8-bit weight held as two 4-bit halves: the input goes to both
+    q4_kernel: bool = False  # q4 is ``pack_q4``'s form, for torch.ops.nanoserve.q4_linear
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
@@ -47,23 +53,56 @@ class Linear(nn.Linear):
         (the kernel computes in bfloat16, so only on CPU in bfloat16)."""
         # int32 only here, one matrix at a time: the kernel's packer wants it, and int32 copies
         # of every matrix at once would stay resident as freed heap.
+        self.q4_max_tokens = max_tokens
+        self.q4_halves = parts[0].q.shape[1] // self.in_features
+        if max_tokens <= Q4_KERNEL_MAX_ROWS and kernels.available() and kernels.uses_bf16():
+            self.q4 = pack_q4(parts)
+            if self.q4 is not None:
+                self.q4_kernel = True
+                return
         q = torch.cat([part.q for part in parts]).to(torch.int32)  # (N, K), or (N, 2K) halves
         scale = torch.cat([part.scale for part in parts]).t()  # (K / 32, N)
         zero = torch.cat([part.zero for part in parts]).t()
         scales_zeros = torch.stack((scale, zero), dim=-1).to(torch.bfloat16).contiguous()
         self.q4 = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros)
-        self.q4_max_tokens = max_tokens
-        self.q4_halves = q.shape[1] // self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.q4 is not None and x.shape[0] <= self.q4_max_tokens:
-            packed, scales_zeros = self.q4
             x = torch.cat([x] * self.q4_halves, dim=1) if self.q4_halves > 1 else x.contiguous()
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)
+            if self.q4_kernel:
+                out = torch.ops.nanoserve.q4_linear(x, *self.q4)
+                if out.shape[1] != self.out_features:  # rows padded to a multiple of 16
+                    out = out[:, : self.out_features].contiguous()
+            else:
+                packed, scales_zeros = self.q4
+                out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)
             return out if self.bias is None else out.add_(self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_q4(parts: list[Q4Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``parts`` stacked by rows in ``csrc/q4_linear.cpp``'s layout: the nibbles (N / 16, K / 32,
+    256) uint8, and each group's scale and low (weight = scale * q + low) as (N / 16, K / 32, 16)
+    float16. None where a scale or low has no exact float16 form (the caller keeps torch's
+    kernel); a GGUF's Q4_0, Q4_1 and Q8_0 blocks store float16 d and m, so theirs do."""
+    q = torch.cat([part.q for part in parts])  # (N, K) uint8 in [0, 16)
+    scale = torch.cat([part.scale for part in parts])  # (N, K / 32) float32
+    low = torch.cat([part.zero for part in parts]) - 8 * scale
+    if not (torch.equal(scale.half().float(), scale) and torch.equal(low.half().float(), low)):
+        return None
+    rows, cols = q.shape
+    pad = -rows % 16  # zero rows: nothing, sliced off the output
+    if pad:
+        q = torch.cat((q, q.new_zeros(pad, cols)))
+        scale, low = (torch.cat((t, t.new_zeros(pad, t.shape[1]))) for t in (scale, low))
+    blocks, groups = q.shape[0] // 16, cols // 32
+    # column k = 16 h + 2 c + t of row j -> byte (c, j, t) of its 256, nibble h
+    nibbles = q.view(blocks, 16, groups, 2, 8, 2).permute(0, 2, 4, 1, 5, 3)  # (RB, G, c, j, t, h)
+    packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(blocks, groups, 256)
+    scale, low = (t.view(blocks, 16, groups).transpose(1, 2).half() for t in (scale, low))
+    return packed.contiguous(), scale.contiguous(), low.contiguous()
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:

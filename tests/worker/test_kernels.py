@@ -3,7 +3,8 @@
 Decode attention over a paged bfloat16 cache equals float64 softmax attention to bfloat16's
 rounding, reads the right blocks, takes the new token from ``kv``, refuses what it cannot do,
 and is what bfloat16 steps use. argmax gives torch.argmax's answers, ties and NaNs included,
-and is what the worker's sampler uses."""
+and is what the worker's sampler uses. q4_linear equals the float64 product of its 4-bit matrix
+and reads each nibble as its own column."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from conftest import make_worker
 
 from worker import kernels
 from worker.attention import CpuKernelBackend
+from worker.gguf_reader import Q4Tensor
+from worker.linear import pack_q4
 
 
 @pytest.fixture(autouse=True)
@@ -242,6 +245,88 @@ def test_prefill_attention_refuses_what_it_cannot_compute():
         attend(q, layer, blocks, 10, 0)
     with pytest.raises(RuntimeError, match="needs head_dim 32, 64 or 128"):
         attend(q, layer[:, :2], blocks, 10, BLOCK)
+
+
+def _q4_case(rows: int, cols: int, seed: int, has_min: bool = True):
+    """A random 4-bit matrix as ``read_q4_tensors`` gives one: float16 d (and m) per group."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = cols // 32
+    q = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(rows, groups, generator=gen) * 0.09 + 0.01).half().float()
+    m = (-torch.rand(rows, groups, generator=gen) * 0.5).half().float() if has_min else -8 * d
+    return Q4Tensor(q, d, m + 8 * d)  # weight = (q - 8) * scale + zero
+
+
+def _dequantized64(q4: Q4Tensor) -> torch.Tensor:
+    return (q4.q.double() - 8) * q4.scale.double().repeat_interleave(
+        32, 1
+    ) + q4.zero.double().repeat_interleave(32, 1)
+
+
+needs_bf16 = pytest.mark.skipif(not kernels.uses_bf16(), reason="q4_linear needs AVX512-BF16")
+
+
+@needs_bf16
+@pytest.mark.parametrize(
+    "rows, cols, batch, has_min",
+    [(16, 32, 1, True), (48, 64, 3, False), (960, 576, 8, True), (100, 96, 5, True),
+     (3072, 576, 1, True), (576, 1536, 2, False)],
+)  # fmt: skip
+def test_q4_linear_equals_the_float64_product_to_bfloat16s_rounding(rows, cols, batch, has_min):
+    q4 = _q4_case(rows, cols, seed=rows + cols, has_min=has_min)
+    packed = pack_q4([q4])
+    assert packed is not None and packed[0].shape == (-(-rows // 16), cols // 32, 256)
+    x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch)).bfloat16()
+    want = x.double() @ _dequantized64(q4).T  # (batch, rows)
+    got = torch.ops.nanoserve.q4_linear(x, *packed)[:, :rows].double()
+    assert got.shape == want.shape
+    # bfloat16's rounding of the output, plus float32 sums of a few hundred products.
+    bound = 2**-8 * want.abs() + 1e-5 * want.abs().max()
+    assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
+
+
+@needs_bf16
+def test_q4_linear_reads_each_nibble_as_its_own_column():
+    """One weight of 1.0 at a time, everywhere else 0: each output is exactly the x it picks."""
+    rows, cols = 32, 64
+    x = torch.arange(1, cols + 1, dtype=torch.bfloat16)[None]  # exact small integers
+    for row, col in [(0, 0), (0, 1), (5, 16), (15, 17), (16, 2), (31, 63), (7, 40)]:
+        q = torch.zeros(rows, cols, dtype=torch.uint8)
+        q[row, col] = 1
+        scale = torch.ones(rows, cols // 32)
+        packed = pack_q4([Q4Tensor(q, scale, 8 * scale)])  # weight = q
+        out = torch.ops.nanoserve.q4_linear(x, *packed)
+        want = torch.zeros(1, rows)
+        want[0, row] = col + 1
+        assert torch.equal(out.float(), want), (row, col)
+
+
+@needs_bf16
+def test_q4_linear_refuses_what_it_cannot_compute():
+    packed = pack_q4([_q4_case(32, 64, seed=1)])
+    x = torch.randn(2, 64).bfloat16()
+    linear = torch.ops.nanoserve.q4_linear
+    with pytest.raises(RuntimeError, match="1 to 8 rows, got 9"):
+        linear(torch.randn(9, 64).bfloat16(), *packed)
+    with pytest.raises(RuntimeError, match="x has 96 columns, the weight 64"):
+        linear(torch.randn(2, 96).bfloat16(), *packed)
+    with pytest.raises(RuntimeError, match="contiguous \\(M, K\\) bfloat16"):
+        linear(x.float(), *packed)
+    with pytest.raises(RuntimeError, match="contiguous \\(M, K\\) bfloat16"):
+        linear(torch.randn(64, 2).bfloat16().t(), *packed)
+    with pytest.raises(RuntimeError, match="scale and low must be contiguous"):
+        linear(x, packed[0], packed[1].float(), packed[2])
+    with pytest.raises(RuntimeError, match="scale and low must be contiguous"):
+        linear(x, packed[0], packed[1], packed[2][:1])
+    with pytest.raises(RuntimeError, match="packed must be contiguous"):
+        linear(x, packed[0][..., :128], packed[1], packed[2])
+
+
+def test_pack_q4_refuses_scales_float16_cannot_hold():
+    q4 = _q4_case(16, 32, seed=2)
+    assert pack_q4([q4]) is not None
+    q4.zero[3, 0] += 1e-4  # low = zero - 8 scale is no longer a float16
+    assert pack_q4([q4]) is None
 
 
 def _argmax_rows(width: int, seed: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import make_worker
 
+from worker import kernels
 from worker.gguf_reader import (
     Q4Tensor,
     _q4_blocks,
@@ -83,14 +84,25 @@ def _dequantized(q4: Q4Tensor, rounded: bool = True) -> torch.Tensor:
     return (q4.q.int() - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
 
 
+@pytest.fixture(params=["nanoserve", "torch"])
+def q4_kernel(request, monkeypatch, private_cache) -> bool:
+    """Both 4-bit kernels: nanoserve's where this CPU has AVX512-BF16 (else, like the second
+    case, torch's int4 kernel). Returns whether nanoserve's is expected."""
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "uses_bf16", lambda: False)
+        return False
+    return kernels.available() and kernels.uses_bf16()
+
+
 @needs_onednn
-def test_q4_linear_computes_the_stacked_dequantized_matrix_on_small_steps_only():
+def test_q4_linear_computes_the_stacked_dequantized_matrix_on_small_steps_only(q4_kernel):
     parts = [_random_q4(96, 128, seed) for seed in (2, 3)]  # stacked by rows, as fuse does
     weight = torch.cat([_dequantized(p) for p in parts])  # (192, 128)
     bias = torch.randn(192, generator=torch.Generator().manual_seed(4)).bfloat16()
     layer = Linear.of(weight.bfloat16(), bias.clone())
     layer.pack()
     layer.attach_q4(parts, max_tokens=3)
+    assert layer.q4_kernel == q4_kernel
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
     small = layer(x[:3]).float()
     want = F.linear(x[:3].float(), weight, bias.float())
@@ -103,13 +115,14 @@ def test_q4_linear_computes_the_stacked_dequantized_matrix_on_small_steps_only()
 
 
 @needs_onednn
-def test_q8_linear_feeds_both_halves_on_single_rows_only():
+def test_q8_linear_feeds_both_halves_on_single_rows_only(q4_kernel):
     q8 = _q8_blocks(_q8_rows(rows=160, cols=96, seed=7))
     halves = _dequantized(q8)  # (160, 192)
     weight = halves[:, :96] + halves[:, 96:]  # (160, 96)
     layer = Linear.of(weight.bfloat16(), None)
     layer.pack()
     layer.attach_q4([q8], max_tokens=1)
+    assert layer.q4_kernel == q4_kernel
     assert layer.q4_halves == 2
     x = torch.randn(2, 96, generator=torch.Generator().manual_seed(8)).bfloat16()
     one = layer(x[:1]).float()
