@@ -141,7 +141,7 @@ class DecodeLoop:
 
 # Operator name fragments -> the breakdown's categories, first match wins.
 CATEGORIES = (
-    ("linear (weights)", ("linear_pointwise", "int4pack", "aten::mm", "aten::addmm")),
+    ("linear (weights)", ("linear_pointwise", "int4pack", "q4_linear", "aten::mm", "aten::addmm")),
     ("attention: nanoserve kernel", ("decode_attention",)),
     ("attention: gather K/V", ("index_select",)),
     ("attention: matmuls + softmax", ("bmm", "softmax", "scaled_dot_product")),

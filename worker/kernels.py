@@ -14,6 +14,10 @@ AVX512-BF16, instead of SDPA's flash kernel (4 to 5 times slower on these heads)
 has AVX512-BF16 (see ``csrc/q4_linear.cpp``); the small steps' linears (``worker.linear``),
 instead of torch's int4 kernel (about half as fast here).
 
+``torch.ops.nanoserve.rms_norm``: F.rms_norm over bfloat16 rows in one pass (``csrc/rms_norm.cpp``);
+the eager steps' norms, where torch composes it of a float32 copy and five other operators.
+``torch.ops.nanoserve.silu_mul``: the MLP's silu(gate) * up in one pass (``csrc/silu_mul.cpp``).
+
 ``torch.ops.nanoserve.argmax``: torch.argmax over float32 rows, vectorized (``csrc/argmax.cpp``);
 the sampler's greedy choices.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -37,8 +42,16 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("decode_attention.cpp", "prefill_attention.cpp", "argmax.cpp", "q4_linear.cpp")
+    for name in (
+        "decode_attention.cpp",
+        "prefill_attention.cpp",
+        "argmax.cpp",
+        "q4_linear.cpp",
+        "rms_norm.cpp",
+        "silu_mul.cpp",
+    )
 ]
+HEADER = Path(__file__).parent / "csrc" / "simd.h"  # included by the sources
 # What the kernels' instructions need, as /proc/cpuinfo names them.
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 _CFLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
@@ -76,8 +89,11 @@ def uses_bf16() -> bool:
 
 
 def cflags() -> list[str]:
-    """The compiler's flags for this CPU."""
-    return _CFLAGS + _OPENMP + (["-mavx512bf16"] if uses_bf16() else [])
+    """The compiler's flags for this CPU, and the shared header's hash: cpp_extension rebuilds
+    when a listed source or a flag changes, and does not look at headers."""
+    header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+    bf16 = ["-mavx512bf16"] if uses_bf16() else []
+    return _CFLAGS + _OPENMP + bf16 + [f"-DNANOSERVE_SIMD_H_{header}"]
 
 
 @functools.cache
@@ -153,6 +169,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("nanoserve::q4_linear")
     def _(x, packed, scale, low):
         return x.new_empty(x.shape[0], packed.shape[0] * 16)
+
+    @torch.library.register_fake("nanoserve::rms_norm")
+    def _(x, weight, eps):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("nanoserve::silu_mul")
+    def _(gate_up):
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
     @torch.library.register_fake("nanoserve::argmax")
     def _(x):

@@ -82,7 +82,14 @@ class ModelSpec:
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight in one fused op. In float32 it equals transformers' formula bit for
-    bit; in bfloat16 it rounds once at the end, where transformers rounds before the weight."""
+    bit; in bfloat16 it rounds once at the end, where transformers rounds before the weight.
+
+    With ``kernel`` set (the worker sets it where ``worker.kernels`` runs), eager bfloat16 steps
+    take ``torch.ops.nanoserve.rms_norm``: the same formula in one pass, where eager torch runs
+    six operators. Compiled graphs keep ``F.rms_norm``, which inductor fuses with its
+    neighbours."""
+
+    kernel = False
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -90,6 +97,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.kernel
+            and x.dtype == torch.bfloat16 == self.weight.dtype
+            and x.dim() == 2
+            and not torch.compiler.is_compiling()
+        ):
+            return torch.ops.nanoserve.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -138,7 +152,11 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); ``fuse`` makes gate and up one matmul. It holds the
-    shard's intermediate features; down_proj's partial sums are all-reduced over the group."""
+    shard's intermediate features; down_proj's partial sums are all-reduced over the group.
+    With ``kernel`` set, eager bfloat16 steps take ``torch.ops.nanoserve.silu_mul`` (one pass,
+    torch's roundings) for the activation (``RMSNorm`` says when)."""
+
+    kernel = False
 
     def __init__(self, spec: ModelSpec, shard: Shard, group: Group) -> None:
         super().__init__()
@@ -156,7 +174,10 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, local intermediate) each
+        gate_up = self.gate_up_proj(x)  # (T, 2 * local intermediate)
+        if self.kernel and gate_up.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+            return self.group.all_reduce(self.down_proj(torch.ops.nanoserve.silu_mul(gate_up)))
+        gate, up = gate_up.chunk(2, dim=-1)  # (T, local intermediate) each
         return self.group.all_reduce(self.down_proj(F.silu(gate, inplace=True).mul_(up)))
 
 

@@ -31,7 +31,7 @@ from worker.config import WorkerConfig
 from worker.grammar import grammar_masks
 from worker.kv_cache import KVCache
 from worker.machine import default_kv_budget, usable_cpus
-from worker.model import LlamaModel, ModelSpec
+from worker.model import MLP, LlamaModel, ModelSpec, RMSNorm
 from worker.parallel import SOLO, Group
 from worker.rows import RowTable, written_blocks
 from worker.sampler import Sampler
@@ -118,8 +118,11 @@ class Worker:
         first build of ``worker.kernels`` happens before the worker announces itself, not in a
         step."""
         generic = self.config.generic_path
-        own_argmax = self.device == "cpu" and not generic and kernels.available()
-        self.sampler = Sampler(self.eos_token_ids, own_argmax=own_argmax)
+        own_kernels = self.device == "cpu" and not generic and kernels.available()
+        self.sampler = Sampler(self.eos_token_ids, own_argmax=own_kernels)
+        for module in self.model.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.kernel = own_kernels
         self.attention = select_backend(
             n_heads=self.shard.local_heads,
             n_kv_heads=self.shard.local_kv_heads,

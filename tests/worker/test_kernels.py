@@ -4,7 +4,8 @@ Decode attention over a paged bfloat16 cache equals float64 softmax attention to
 rounding, reads the right blocks, takes the new token from ``kv``, refuses what it cannot do,
 and is what bfloat16 steps use. argmax gives torch.argmax's answers, ties and NaNs included,
 and is what the worker's sampler uses. q4_linear equals the float64 product of its 4-bit matrix
-and reads each nibble as its own column."""
+and reads each nibble as its own column. rms_norm and silu_mul give torch's eager results (the
+norm within one bfloat16 step, rarely) and are what eager bfloat16 steps use."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import make_worker
 
 from worker import kernels
@@ -320,6 +322,94 @@ def test_q4_linear_refuses_what_it_cannot_compute():
         linear(x, packed[0], packed[1], packed[2][:1])
     with pytest.raises(RuntimeError, match="packed must be contiguous"):
         linear(x, packed[0][..., :128], packed[1], packed[2])
+
+
+@pytest.mark.parametrize("rows, width", [(1, 576), (7, 64), (128, 576), (300, 40)])
+def test_rms_norm_equals_torchs(rows, width):
+    gen = torch.Generator().manual_seed(rows)
+    wide = (torch.randn(rows, width + 8, generator=gen) * 3).bfloat16()
+    x = wide[:, 4 : 4 + width]  # rows apart by a stride, as views of a wider output are
+    weight = (torch.rand(width, generator=gen) * 2).bfloat16()
+    x[-1, 0] = float("nan") if rows > 1 else x[-1, 0]  # a NaN row stays NaN
+    want = F.rms_norm(x, (width,), weight, 1e-5)
+    got = torch.ops.nanoserve.rms_norm(x, weight, 1e-5)
+    if rows > 1:
+        assert got[-1].isnan().all() and not got[:-1].isnan().any()
+        want, got = want[:-1], got[:-1]
+    want, got = want.float(), got.float()
+    # The same float32 formula, rounded once; only the sum of squares adds in another order,
+    # which moves a rare result across a rounding boundary: one bfloat16 step at most.
+    differ = want != got
+    assert differ.float().mean().item() < 1e-4
+    assert ((want - got).abs() <= 2**-7 * want.abs()).all()
+
+
+def test_rms_norm_refuses_what_it_cannot_compute():
+    x, weight = torch.randn(4, 64).bfloat16(), torch.ones(64).bfloat16()
+    norm = torch.ops.nanoserve.rms_norm
+    with pytest.raises(RuntimeError, match="x must be \\(T, H\\) bfloat16"):
+        norm(x.float(), weight, 1e-5)
+    with pytest.raises(RuntimeError, match="x must be \\(T, H\\) bfloat16"):
+        norm(x.t(), weight, 1e-5)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous \\(64,\\) bfloat16"):
+        norm(x, weight[:32], 1e-5)
+
+
+@pytest.mark.parametrize("rows, width", [(1, 1536), (128, 1536), (5, 40)])
+def test_silu_mul_equals_torchs_two_steps(rows, width):
+    gen = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(rows, 2 * width, generator=gen) * 6).bfloat16()
+    gate_up[0, :3] = torch.tensor([-95.0, 95.0, 0.0])  # exp's clamped and exact ends
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate.clone(), inplace=True).mul_(up)
+    got = torch.ops.nanoserve.silu_mul(gate_up)
+    assert torch.equal(got, want)
+
+
+def test_silu_mul_refuses_what_it_cannot_compute():
+    with pytest.raises(RuntimeError, match="gate_up must be \\(T, 2I\\) bfloat16"):
+        torch.ops.nanoserve.silu_mul(torch.randn(2, 8))
+    with pytest.raises(RuntimeError, match="gate_up must be \\(T, 2I\\) bfloat16"):
+        torch.ops.nanoserve.silu_mul(torch.randn(2, 7).bfloat16())
+
+
+def test_eager_bfloat16_steps_norm_and_activate_with_them(tiny_dir, monkeypatch):
+    """The worker turns them on for bfloat16 and they run in its eager steps; its tokens equal
+    torch's operators' and its logits stay within bfloat16's reach."""
+    from driver import Driver, Request
+
+    from worker.model import MLP, RMSNorm
+
+    calls = {"rms_norm": 0, "silu_mul": 0}
+    for name in calls:
+        real = getattr(torch.ops.nanoserve, name)
+
+        def counting(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(torch.ops.nanoserve, name, counting)
+
+    def run(kernel: bool):
+        worker = make_worker(tiny_dir, dtype="bfloat16", compile=False)
+        modules = [m for m in worker.model.modules() if isinstance(m, (RMSNorm, MLP))]
+        assert modules and all(m.kernel for m in modules)
+        for module in modules:
+            module.kernel = kernel
+        return Driver(worker, eos=[]).run([Request("r", list(range(3, 30)), 5)])
+
+    with_kernels = run(True)
+    # 2 layers x 2 norms + the final norm, and 2 MLPs, in each of 5 steps
+    assert calls == {"rms_norm": 5 * 5, "silu_mul": 5 * 2}
+    without = run(False)
+    assert calls == {"rms_norm": 5 * 5, "silu_mul": 5 * 2}
+    for a, b in zip(with_kernels, without, strict=True):
+        assert a.output == b.output
+        worst = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
+        assert worst < 0.05, worst
+    float32 = make_worker(tiny_dir, dtype="float32")
+    Driver(float32, eos=[]).run([Request("r", list(range(3, 30)), 5)])
+    assert calls == {"rms_norm": 5 * 5, "silu_mul": 5 * 2}  # float32 steps keep torch's
 
 
 def test_pack_q4_refuses_scales_float16_cannot_hold():

@@ -17,17 +17,17 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kSerialWork = 8192;  // (position, KV head) pairs below which one thread runs
+using nanoserve_simd::exp_neg;
+using nanoserve_simd::load_bf16;
 
-inline __m512 load_bf16(const c10::BFloat16* p) {  // 16 bfloat16 -> 16 floats (exact)
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+constexpr int64_t kSerialWork = 8192;  // (position, KV head) pairs below which one thread runs
 
 #ifdef __AVX512BF16__
 // 32 bfloat16 values as 16 pairs for vdpbf16ps; head_dim 16 (C = 1) fills the upper half with
@@ -46,25 +46,6 @@ inline __m512bh load_pairs(const c10::BFloat16* p) {
 inline void prefetch_row(const c10::BFloat16* p, int64_t hd) {
   for (int64_t byte = 0; byte < hd * 2; byte += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p) + byte, _MM_HINT_T0);
-}
-
-// exp(x) for x <= 0 (softmax after the max is subtracted): Cephes' range reduction and degree-5
-// polynomial, relative error about 2e-7; anything below -87.3 gives exp(-87.3), about 1e-38.
-// A NaN stays NaN (max_ps returns its second operand when one is NaN), as in torch's softmax.
-inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);  // p * 2^n
 }
 
 struct Views {

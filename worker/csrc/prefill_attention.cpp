@@ -20,38 +20,21 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <cstring>
 #include <functional>
 
 namespace {
 
+using nanoserve_simd::exp_neg;
+using nanoserve_simd::load_bf16;
+
 constexpr int64_t kTile = 16;  // positions per repacked key vector
 constexpr int64_t kSerialTiles = 512;  // (query, KV head, tile) triples below which one thread
 
 #ifdef __AVX512BF16__
-
-inline __m512 widen(const c10::BFloat16* p) {  // 16 bfloat16 -> 16 floats (exact)
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// exp(x) for x <= 0, as in decode_attention.cpp (Cephes, relative error about 2e-7).
-inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 struct Span {
   const c10::BFloat16* q;
@@ -241,7 +224,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& layer,
         const c10::BFloat16* value = key + layer.stride(0);
         const uint32_t* pair = reinterpret_cast<const uint32_t*>(key);
         for (int64_t p = 0; p < pairs; ++p) kt[p * kTile + t] = pair[p];
-        for (int64_t c = 0; c < hd; c += 16) _mm512_storeu_ps(vt + t * hd + c, widen(value + c));
+        for (int64_t c = 0; c < hd; c += 16)
+          _mm512_storeu_ps(vt + t * hd + c, load_bf16(value + c));
       }
     }
   });
