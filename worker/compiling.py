@@ -126,6 +126,49 @@ class BackgroundCompile:
         mark_compiled(self.directory)
 
 
+def torch_version() -> tuple[int, int]:
+    """torch's (major, minor)."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def wants_compile(worker) -> bool:
+    """Explicitly asked, or by default where it pays: CPU, off the generic path, on a torch
+    that compiles this graph."""
+    if worker.config.compile is not None:
+        return worker.config.compile
+    return (
+        worker.device == "cpu"
+        and worker.group.size == 1  # tensor-parallel steps run eagerly
+        and not worker.config.generic_path
+        and torch_version() >= (2, 13)
+    )
+
+
+def start_compile(worker, background: bool) -> tuple[object | None, BackgroundCompile | None]:
+    """The worker's compiled decode step now (``background`` False: compiled or loaded before
+    this returns), or a started ``BackgroundCompile`` that builds it while the worker serves:
+    (compiled, job), one of them None."""
+    from worker.compiled import CompiledDecode
+
+    if worker.device != "cpu":
+        raise ValueError(f"compile runs on CPU only, not on {worker.device}")
+    if worker.group.size > 1:
+        raise ValueError("compile runs one rank only: tensor-parallel steps run eagerly")
+    if torch_version() < (2, 13):
+        raise ValueError(f"compile needs torch >= 2.13, this is {torch.__version__}")
+    directory = compile_dir(worker.config, worker.files.model_id)
+    use_cache_dir(directory)
+    if background:
+        job = BackgroundCompile(worker, directory)
+        job.start()
+        return None, job
+    compiled = CompiledDecode(worker.model, worker.cache, worker.attention)
+    compiled.warm_up()
+    mark_compiled(directory)
+    return compiled, None
+
+
 def _polite_child() -> None:
     """In the compiling child before it runs: the lowest CPU priority, and death with the worker
     (Linux), so a killed worker leaves no compiler behind to race its successor's."""

@@ -92,3 +92,19 @@ class WorkerConfig:
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+_MAX_DEFAULT_LEN = 8192
+
+
+def resolve_max_model_len(config: WorkerConfig, model_config) -> int:
+    """The worker's context limit: ``config.max_model_len``, checked against the model's
+    ``max_position_embeddings``, or the smaller of that and 8192 when unset."""
+    limit = getattr(model_config, "max_position_embeddings", None) or _MAX_DEFAULT_LEN
+    if config.max_model_len is None:
+        return min(limit, _MAX_DEFAULT_LEN)
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} positions"
+        )
+    return config.max_model_len

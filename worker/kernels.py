@@ -8,7 +8,8 @@ matmuls and a softmax.
 
 ``torch.ops.nanoserve.prefill_attention``: one prefill span's causal attention over its paged
 bfloat16 K/V (see ``csrc/prefill_attention.cpp``); the same backend's prefills, where the CPU has
-AVX512-BF16, instead of SDPA's flash kernel (4 to 5 times slower on these heads).
+AVX512-BF16 (built only there, as ``q4_linear``), instead of SDPA's flash kernel (4 to 5 times
+slower on these heads).
 
 ``torch.ops.nanoserve.q4_linear``: a few bfloat16 rows times a GGUF 4-bit matrix, where the CPU
 has AVX512-BF16 (see ``csrc/q4_linear.cpp``); the small steps' linears (``worker.linear``),
@@ -40,18 +41,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
+_CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
-    Path(__file__).parent / "csrc" / name
-    for name in (
-        "decode_attention.cpp",
-        "prefill_attention.cpp",
-        "argmax.cpp",
-        "q4_linear.cpp",
-        "rms_norm.cpp",
-        "silu_mul.cpp",
-    )
+    _CSRC / name for name in ("decode_attention.cpp", "argmax.cpp", "rms_norm.cpp", "silu_mul.cpp")
 ]
-HEADER = Path(__file__).parent / "csrc" / "simd.h"  # included by the sources
+# Operators that exist only where the CPU has AVX512-BF16: other builds leave them out.
+BF16_SOURCES = [_CSRC / name for name in ("prefill_attention.cpp", "q4_linear.cpp")]
+HEADER = _CSRC / "simd.h"  # included by the sources
 # What the kernels' instructions need, as /proc/cpuinfo names them.
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 _CFLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
@@ -143,7 +139,7 @@ def _load() -> Path:
             (build / "lock").unlink()
         cpp_extension.load(  # rebuilt only when a source or a flag changes (it hashes them)
             name="nanoserve_kernels",
-            sources=[str(source) for source in SOURCES],
+            sources=[str(source) for source in SOURCES + (BF16_SOURCES if uses_bf16() else [])],
             extra_cflags=cflags(),
             extra_ldflags=_OPENMP,
             build_directory=str(build),
@@ -162,13 +158,15 @@ def _register_fakes() -> None:
     def _(q, kv, layer, blocks, cached, block_size):
         return q.new_empty(q.shape)
 
-    @torch.library.register_fake("nanoserve::prefill_attention")
-    def _(q, layer, blocks, start, block_size):
-        return q.new_empty(q.shape)
+    if uses_bf16():
 
-    @torch.library.register_fake("nanoserve::q4_linear")
-    def _(x, packed, scale, low):
-        return x.new_empty(x.shape[0], packed.shape[0] * 16)
+        @torch.library.register_fake("nanoserve::prefill_attention")
+        def _(q, layer, blocks, start, block_size):
+            return q.new_empty(q.shape)
+
+        @torch.library.register_fake("nanoserve::q4_linear")
+        def _(x, packed, scale, low):
+            return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
     @torch.library.register_fake("nanoserve::rms_norm")
     def _(x, weight, eps):

@@ -67,3 +67,12 @@ def available_ram() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def bound_onednn_cache() -> None:
+    """Bound oneDNN's primitive cache, unless the user set it: it caches one primitive per
+    matmul shape, and the worker pads every step to bucketed sizes (``worker.shapes``), so a run
+    meets a bounded set of shapes and oneDNN's usual 1024 entries hold the ones in use; memory
+    stops growing once they are built. oneDNN reads the variable when it builds its first
+    primitive, so this runs before the model loads."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")

@@ -11,7 +11,6 @@ the step with the others (``worker.tp_steps``) and alone samples, from the gathe
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -26,11 +25,11 @@ from protocol.messages import (
 )
 from worker import kernels, tp_steps
 from worker.attention import select_backend
-from worker.compiling import BackgroundCompile, compile_dir, mark_compiled, use_cache_dir
-from worker.config import WorkerConfig
+from worker.compiling import BackgroundCompile, start_compile, wants_compile
+from worker.config import WorkerConfig, resolve_max_model_len
 from worker.grammar import grammar_masks
 from worker.kv_cache import KVCache
-from worker.machine import default_kv_budget, usable_cpus
+from worker.machine import bound_onednn_cache, default_kv_budget, usable_cpus
 from worker.model import MLP, LlamaModel, ModelSpec, RMSNorm
 from worker.parallel import SOLO, Group
 from worker.rows import RowTable, written_blocks
@@ -40,8 +39,6 @@ from worker.sharding import Shard
 from worker.threads import ThreadGovernor
 
 log = logging.getLogger("nanoserve.worker")
-
-_MAX_DEFAULT_LEN = 8192
 
 
 class Worker:
@@ -77,7 +74,7 @@ class Worker:
         self.spec = ModelSpec.from_config(checkpoint.config)
         self.shard = Shard.of(self.spec, group.rank, group.size)
         self.eos_token_ids = checkpoint.eos_token_ids
-        self.max_model_len = _max_model_len(config, checkpoint.config)
+        self.max_model_len = resolve_max_model_len(config, checkpoint.config)
         self._load_model(checkpoint)
         self.cache = self._make_cache()
         self.row_table = RowTable(
@@ -91,8 +88,8 @@ class Worker:
         self.grammar = grammar_masks(self.files, self.spec.vocab_size, self.eos_token_ids)
         self.compiled = None
         self.compile_job: BackgroundCompile | None = None
-        if self._wants_compile():
-            self._compile(background_compile)
+        if wants_compile(self):
+            self.compiled, self.compile_job = start_compile(self, background_compile)
 
     def _shard_of(self, model_config) -> Shard | None:
         """What this rank reads of every tensor (None: all of it); ValueError for a group size
@@ -141,37 +138,6 @@ class Worker:
             return
         tensors = load_q4(self.files, model_type, self.spec.n_heads, self.spec.n_kv_heads)
         self.q4_linears = self.model.attach_q4(tensors, self.config.q4_max_tokens)
-
-    def _wants_compile(self) -> bool:
-        """Explicitly asked, or by default where it pays: CPU, off the generic path, on a torch
-        that compiles this graph."""
-        if self.config.compile is not None:
-            return self.config.compile
-        return (
-            self.device == "cpu"
-            and self.group.size == 1  # tensor-parallel steps run eagerly
-            and not self.config.generic_path
-            and _torch_version() >= (2, 13)
-        )
-
-    def _compile(self, background: bool) -> None:
-        from worker.compiled import CompiledDecode
-
-        if self.device != "cpu":
-            raise ValueError(f"compile runs on CPU only, not on {self.device}")
-        if self.group.size > 1:
-            raise ValueError("compile runs one rank only: tensor-parallel steps run eagerly")
-        if _torch_version() < (2, 13):
-            raise ValueError(f"compile needs torch >= 2.13, this is {torch.__version__}")
-        directory = compile_dir(self.config, self.files.model_id)
-        use_cache_dir(directory)
-        if background:
-            self.compile_job = BackgroundCompile(self, directory)
-            self.compile_job.start()
-            return
-        self.compiled = CompiledDecode(self.model, self.cache, self.attention)
-        self.compiled.warm_up()
-        mark_compiled(directory)
 
     @property
     def decode_path(self) -> str:
@@ -333,29 +299,3 @@ class Worker:
     def rows(self) -> list[RowSummary]:
         """Every slot's row as it stands now."""
         return self.row_table.summaries()
-
-
-def bound_onednn_cache() -> None:
-    """Bound oneDNN's primitive cache, unless the user set it: it caches one primitive per
-    matmul shape, and the worker pads every step to bucketed sizes (``worker.shapes``), so a run
-    meets a bounded set of shapes and oneDNN's usual 1024 entries hold the ones in use; memory
-    stops growing once they are built. oneDNN reads the variable when it builds its first
-    primitive, so this runs before the model loads."""
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
-
-
-def _torch_version() -> tuple[int, int]:
-    """torch's (major, minor)."""
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
-def _max_model_len(config: WorkerConfig, model_config) -> int:
-    limit = getattr(model_config, "max_position_embeddings", None) or _MAX_DEFAULT_LEN
-    if config.max_model_len is None:
-        return min(limit, _MAX_DEFAULT_LEN)
-    if config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} positions"
-        )
-    return config.max_model_len

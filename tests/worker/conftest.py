@@ -13,11 +13,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # driver.py
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
-    """Keep GGUF conversions of tests out of the user's cache, unless one is set already."""
+    """Keep GGUF conversions and compiled graphs of tests out of the user's cache, unless one is
+    set already. The CPU kernels are shared with it: they are keyed by their sources and flags
+    and built under a lock, and building them again costs half a minute on two cores."""
     import os
 
+    from protocol.model_files import cache_root
+
     if "NANOSERVE_CACHE_DIR" not in os.environ:
-        os.environ["NANOSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("nanoserve-cache"))
+        shared = cache_root() / "kernels"
+        shared.mkdir(parents=True, exist_ok=True)
+        private = tmp_path_factory.mktemp("nanoserve-cache")
+        (private / "kernels").symlink_to(shared, target_is_directory=True)
+        os.environ["NANOSERVE_CACHE_DIR"] = str(private)
     yield
 
 

@@ -69,4 +69,4 @@ class CpuKernelBackend(TorchBackend):
 @functools.cache
 def _prefill_kernel(head_dim: int, group: int) -> bool:
     """Whether the prefill operator is built here (AVX512-BF16) for these heads."""
-    return torch.ops.nanoserve.prefill_attention_supports(head_dim, group)
+    return kernels.uses_bf16() and torch.ops.nanoserve.prefill_attention_supports(head_dim, group)
