@@ -27,7 +27,9 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
-    q4: tuple[torch.Tensor, torch.Tensor] | None = None  # int4-packed weight, scales and zeros
+    # torch's int4-packed weight and its scales and zeros, or ``pack_q4``'s nibbles, scales and
+    # lows (``q4_kernel``)
+    q4: tuple[torch.Tensor, ...] | None = None
     q4_max_tokens: int = 0
     q4_halves: int = 1  # 2 for an 8-bit weight held as two 4-bit halves: the input goes to both
     q4_kernel: bool = False  # q4 is ``pack_q4``'s form, for torch.ops.nanoserve.q4_linear
@@ -51,8 +53,6 @@ class Linear(nn.Linear):
         the float weights); steps of at most ``max_tokens`` tokens run on it. A small step
         does little but stream the weights, and 4 bits stream 4x fewer bytes than bfloat16
         (the kernel computes in bfloat16, so only on CPU in bfloat16)."""
-        # int32 only here, one matrix at a time: the kernel's packer wants it, and int32 copies
-        # of every matrix at once would stay resident as freed heap.
         self.q4_max_tokens = max_tokens
         self.q4_halves = parts[0].q.shape[1] // self.in_features
         if max_tokens <= Q4_KERNEL_MAX_ROWS and kernels.available() and kernels.uses_bf16():
@@ -60,6 +60,8 @@ class Linear(nn.Linear):
             if self.q4 is not None:
                 self.q4_kernel = True
                 return
+        # int32 only here, one matrix at a time: torch's packer wants it, and int32 copies of
+        # every matrix at once would stay resident as freed heap.
         q = torch.cat([part.q for part in parts]).to(torch.int32)  # (N, K), or (N, 2K) halves
         scale = torch.cat([part.scale for part in parts]).t()  # (K / 32, N)
         zero = torch.cat([part.zero for part in parts]).t()
