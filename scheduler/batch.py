@@ -72,11 +72,17 @@ def merge_outputs(request_id: str, outputs: list[RequestOutput]) -> RequestOutpu
         if not outputs or outputs[0].logprobs is None
         else [lp for o in outputs for lp in o.logprobs or []]
     )
+    top = (
+        None
+        if not outputs or outputs[0].top_logprobs is None
+        else [alternatives for o in outputs for alternatives in o.top_logprobs or []]
+    )
     return RequestOutput(
         request_id=request_id,
         new_token_ids=tokens,
         finish_reason=outputs[-1].finish_reason if outputs else None,
         num_prompt_tokens=outputs[0].num_prompt_tokens if outputs else 0,
         logprobs=logprobs,
+        top_logprobs=top,
         num_cached_tokens=outputs[0].num_cached_tokens if outputs else 0,
     )

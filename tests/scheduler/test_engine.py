@@ -19,6 +19,26 @@ def test_generate_returns_every_token_in_prompt_order() -> None:
     assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in alone]
 
 
+def test_merged_outputs_keep_every_logprob_and_alternative() -> None:
+    from protocol.messages import RequestOutput
+    from scheduler.batch import merge_outputs
+
+    steps = [
+        RequestOutput(
+            request_id="r", new_token_ids=[5], logprobs=[-0.1], top_logprobs=[[(5, -0.1)]]
+        ),
+        RequestOutput(
+            request_id="r", new_token_ids=[6, 7], logprobs=[-0.2, -0.3],
+            top_logprobs=[[(6, -0.2), (1, -2.0)], [(7, -0.3)]], finish_reason="length",
+        ),
+    ]  # fmt: skip
+    merged = merge_outputs("r", steps)
+    assert merged.new_token_ids == [5, 6, 7] and merged.logprobs == [-0.1, -0.2, -0.3]
+    assert merged.top_logprobs == [[(5, -0.1)], [(6, -0.2), (1, -2.0)], [(7, -0.3)]]
+    plain = merge_outputs("r", [RequestOutput(request_id="r", new_token_ids=[5])])
+    assert plain.logprobs is None and plain.top_logprobs is None
+
+
 def test_plan_sends_params_on_a_row_start_and_deltas_after() -> None:
     engine = make_engine(num_blocks=16, num_slots=1, overlap=False)
     engine.add_request("r", [1, 2, 3, 4, 5], GREEDY)
