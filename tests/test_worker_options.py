@@ -36,6 +36,14 @@ def test_q4_max_tokens_flag_and_variable(monkeypatch):
     assert _config(monkeypatch, [], {"NANOSERVE_Q4_MAX_TOKENS": "0"}).q4_max_tokens == 0
 
 
+def test_w4a8_flag_and_variable(monkeypatch):
+    monkeypatch.delenv("NANOSERVE_W4A8", raising=False)
+    assert _config(monkeypatch, [], {}).w4a8 is True
+    assert _config(monkeypatch, ["--no-w4a8"], {}).w4a8 is False
+    assert _config(monkeypatch, [], {"NANOSERVE_W4A8": "0"}).w4a8 is False
+    assert _config(monkeypatch, ["--w4a8"], {"NANOSERVE_W4A8": "0"}).w4a8 is True
+
+
 @pytest.mark.parametrize(
     "argv,env,expected",
     [

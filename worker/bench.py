@@ -41,6 +41,7 @@ def bench_forward(
     decode_steps: int = 4,
     num_threads: int | None = None,
     q4_max_tokens: int = 8,
+    w4a8: bool = True,
     compile: bool = False,
     generic_path: bool = False,
     profile: bool = False,
@@ -62,6 +63,7 @@ def bench_forward(
             block_size=block_size,
             num_threads=num_threads,
             q4_max_tokens=q4_max_tokens,
+            w4a8=w4a8,
             compile=compile,
             generic_path=generic_path,
             max_model_len=max(context + 2 * decode_steps + 2, block_size),
@@ -141,7 +143,10 @@ class DecodeLoop:
 
 # Operator name fragments -> the breakdown's categories, first match wins.
 CATEGORIES = (
-    ("linear (weights)", ("linear_pointwise", "int4pack", "q4_linear", "aten::mm", "aten::addmm")),
+    (
+        "linear (weights)",
+        ("linear_pointwise", "int4pack", "q4_linear", "w4a8_linear", "aten::mm", "aten::addmm"),
+    ),
     ("attention: nanoserve kernel", ("decode_attention",)),
     ("attention: gather K/V", ("index_select",)),
     ("attention: matmuls + softmax", ("bmm", "softmax", "scaled_dot_product")),

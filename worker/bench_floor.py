@@ -3,10 +3,11 @@ breakdown.
 
 A small decode step does little but stream bytes: every weight it multiplies by, in the form it
 uses at that batch size (the GGUF's 4-bit integers with their scales at most
-``--q4-max-tokens`` rows, else oneDNN's bfloat16 matrices; the lm head's 8-bit halves for one
-row), and every cached K/V it attends over. No step can take less than those bytes over the
-machine's sequential read bandwidth, measured here by summing a 512 MiB tensor (best of 5). The
-bytes are counted from the loaded model itself, so a layout change shows up here.
+``--q4-max-tokens`` rows; above that the same integers a byte each with ``--w4a8``, else
+oneDNN's bfloat16 matrices; the lm head's 8-bit halves for one row), and every cached K/V it
+attends over. No step can take less than those bytes over the machine's sequential read
+bandwidth, measured here by summing a 512 MiB tensor (best of 5). The bytes are counted from the
+loaded model itself, so a layout change shows up here.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def linear_bytes(linear: Linear, rows: int) -> int:
     """Bytes of the weight form ``linear`` multiplies ``rows`` rows by."""
     if linear.q4 is not None and rows <= linear.q4_max_tokens:
         return sum(t.numel() * t.element_size() for t in linear.q4)
+    if linear.w4a8 is not None:  # one byte per integer, and q4's scales and lows
+        return linear.w4a8.numel() + sum(t.numel() * t.element_size() for t in linear.q4[1:])
     source = linear.packed if linear.packed is not None else linear.weight
     # oneDNN's packed layout may pad; the plain matrix is what must be read.
     return linear.in_features * linear.out_features * source.element_size()

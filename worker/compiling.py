@@ -50,6 +50,7 @@ def compile_dir(config: WorkerConfig, model_id: str) -> Path:
         model_id,
         config.resolved_dtype,
         str(config.q4_max_tokens),
+        str(config.w4a8),
         str(config.block_size),
         str(torch.get_num_threads()),  # inductor splits loops for it when it generates kernels
         source.hexdigest()[:12],

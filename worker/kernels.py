@@ -15,6 +15,10 @@ slower on these heads).
 has AVX512-BF16 (see ``csrc/q4_linear.cpp``); the small steps' linears (``worker.linear``),
 instead of torch's int4 kernel (about half as fast here).
 
+``torch.ops.nanoserve.w4a8_linear``: many bfloat16 rows, quantized to 8 bits in groups of 32,
+times a GGUF 4-bit matrix, where the CPU has AVX512-BF16 and AVX512-VNNI (see
+``csrc/w4a8_linear.cpp``); the big steps' linears, instead of oneDNN's bfloat16 matmuls.
+
 ``torch.ops.nanoserve.rms_norm``: F.rms_norm over bfloat16 rows in one pass (``csrc/rms_norm.cpp``);
 the eager steps' norms, where torch composes it of a float32 copy and five other operators.
 ``torch.ops.nanoserve.silu_mul``: the MLP's silu(gate) * up in one pass (``csrc/silu_mul.cpp``).
@@ -47,6 +51,8 @@ SOURCES = [
 ]
 # Operators that exist only where the CPU has AVX512-BF16: other builds leave them out.
 BF16_SOURCES = [_CSRC / name for name in ("prefill_attention.cpp", "q4_linear.cpp")]
+# And where it also has AVX512-VNNI.
+VNNI_SOURCES = [_CSRC / "w4a8_linear.cpp"]
 HEADER = _CSRC / "simd.h"  # included by the sources
 # What the kernels' instructions need, as /proc/cpuinfo names them.
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
@@ -58,6 +64,7 @@ _CFLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx5
 _OPENMP = ["-fopenmp"]
 # Used where the CPU has it (the attention's scores then take vdpbf16ps), not required.
 BF16_FLAG = "avx512_bf16"
+VNNI_FLAG = "avx512_vnni"
 
 
 @functools.cache
@@ -84,12 +91,19 @@ def uses_bf16() -> bool:
     return BF16_FLAG in cpu_flags() and os.environ.get("NANOSERVE_KERNELS_BF16", "1") != "0"
 
 
+def uses_vnni() -> bool:
+    """Whether ``w4a8_linear`` is built: with AVX512-BF16 (``uses_bf16``) where the CPU also
+    has AVX512-VNNI."""
+    return uses_bf16() and VNNI_FLAG in cpu_flags()
+
+
 def cflags() -> list[str]:
     """The compiler's flags for this CPU, and the shared header's hash: cpp_extension rebuilds
     when a listed source or a flag changes, and does not look at headers."""
     header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
     bf16 = ["-mavx512bf16"] if uses_bf16() else []
-    return _CFLAGS + _OPENMP + bf16 + [f"-DNANOSERVE_SIMD_H_{header}"]
+    vnni = ["-mavx512vnni"] if uses_vnni() else []
+    return _CFLAGS + _OPENMP + bf16 + vnni + [f"-DNANOSERVE_SIMD_H_{header}"]
 
 
 @functools.cache
@@ -139,7 +153,7 @@ def _load() -> Path:
             (build / "lock").unlink()
         cpp_extension.load(  # rebuilt only when a source or a flag changes (it hashes them)
             name="nanoserve_kernels",
-            sources=[str(source) for source in SOURCES + (BF16_SOURCES if uses_bf16() else [])],
+            sources=[str(source) for source in _sources()],
             extra_cflags=cflags(),
             extra_ldflags=_OPENMP,
             build_directory=str(build),
@@ -148,6 +162,11 @@ def _load() -> Path:
         )
     _register_fakes()
     return build
+
+
+def _sources() -> list[Path]:
+    bf16 = BF16_SOURCES if uses_bf16() else []
+    return SOURCES + bf16 + (VNNI_SOURCES if uses_vnni() else [])
 
 
 @functools.cache
@@ -165,6 +184,12 @@ def _register_fakes() -> None:
             return q.new_empty(q.shape)
 
         @torch.library.register_fake("nanoserve::q4_linear")
+        def _(x, packed, scale, low):
+            return x.new_empty(x.shape[0], packed.shape[0] * 16)
+
+    if uses_vnni():
+
+        @torch.library.register_fake("nanoserve::w4a8_linear")
         def _(x, packed, scale, low):
             return x.new_empty(x.shape[0], packed.shape[0] * 16)
 

@@ -2,8 +2,10 @@
 
 On CPU the worker may trade a weight for oneDNN's pre-packed layout (``pack``), and keep a GGUF
 file's own 4-bit integers beside it for small steps (``attach_q4``): multiplied by nanoserve's
-own kernel where the CPU has AVX512-BF16 (``pack_q4``), else by torch's int4 kernel. The
-generic path (and CUDA) keeps the plain ``F.linear``.
+own kernel where the CPU has AVX512-BF16 (``pack_q4``), else by torch's int4 kernel. Where the
+CPU also has AVX512-VNNI, big steps multiply the same integers by 8-bit activations
+(``pack_w4a8``, llama.cpp's numerics) instead of oneDNN's bfloat16 matrices, which it then
+drops. The generic path (and CUDA) keeps the plain ``F.linear``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class Linear(nn.Linear):
     q4_max_tokens: int = 0
     q4_halves: int = 1  # 2 for an 8-bit weight held as two 4-bit halves: the input goes to both
     q4_kernel: bool = False  # q4 is ``pack_q4``'s form, for torch.ops.nanoserve.q4_linear
+    # ``pack_w4a8``'s integers: steps of more than q4_max_tokens rows (torch.ops.nanoserve.
+    # w4a8_linear, with q4's scales and lows)
+    w4a8: torch.Tensor | None = None
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
@@ -48,17 +53,24 @@ class Linear(nn.Linear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 32)
         self.weight = None
 
-    def attach_q4(self, parts: list[Q4Tensor], max_tokens: int) -> None:
+    def attach_q4(self, parts: list[Q4Tensor], max_tokens: int, w4a8: bool = False) -> None:
         """Also keep this weight's 4-bit form (``parts`` stacked by rows, as ``fuse`` stacked
         the float weights); steps of at most ``max_tokens`` tokens run on it. A small step
         does little but stream the weights, and 4 bits stream 4x fewer bytes than bfloat16
-        (the kernel computes in bfloat16, so only on CPU in bfloat16)."""
+        (the kernel computes in bfloat16, so only on CPU in bfloat16).
+
+        With ``w4a8`` (and a CPU with AVX512-VNNI), bigger steps run on the same integers
+        times their input quantized to 8 bits, and the bfloat16 matrix goes: a big step is
+        bound by multiplies, and vpdpbusd does twice vdpbf16ps's."""
         self.q4_max_tokens = max_tokens
         self.q4_halves = parts[0].q.shape[1] // self.in_features
         if max_tokens <= Q4_KERNEL_MAX_ROWS and kernels.available() and kernels.uses_bf16():
             self.q4 = pack_q4(parts)
             if self.q4 is not None:
                 self.q4_kernel = True
+                if w4a8 and self.q4_halves == 1 and kernels.uses_vnni():
+                    self.w4a8 = pack_w4a8(parts)
+                    self.packed = None
                 return
         # int32 only here, one matrix at a time: torch's packer wants it, and int32 copies of
         # every matrix at once would stay resident as freed heap.
@@ -69,6 +81,12 @@ class Linear(nn.Linear):
         self.q4 = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w4a8 is not None and x.shape[0] > self.q4_max_tokens:
+            _, scale, low = self.q4
+            out = torch.ops.nanoserve.w4a8_linear(x.contiguous(), self.w4a8, scale, low)
+            if out.shape[1] != self.out_features:  # rows padded to a multiple of 16
+                out = out[:, : self.out_features].contiguous()
+            return out if self.bias is None else out.add_(self.bias)
         if self.q4 is not None and x.shape[0] <= self.q4_max_tokens:
             x = torch.cat([x] * self.q4_halves, dim=1) if self.q4_halves > 1 else x.contiguous()
             if self.q4_kernel:
@@ -109,3 +127,17 @@ def pack_q4(parts: list[Q4Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
+
+
+def pack_w4a8(parts: list[Q4Tensor]) -> torch.Tensor:
+    """``parts``' 4-bit integers stacked by rows in ``csrc/w4a8_linear.cpp``'s layout: (N / 16,
+    K / 32, 512) uint8, one integer a byte; the scales and lows are ``pack_q4``'s."""
+    q = torch.cat([part.q for part in parts])  # (N, K) uint8 in [0, 16)
+    rows, cols = q.shape
+    pad = -rows % 16
+    if pad:
+        q = torch.cat((q, q.new_zeros(pad, cols)))
+    blocks, groups = q.shape[0] // 16, cols // 32
+    # column k = 4 c + t of row j -> byte (c, j, t) of its 512
+    chunks = q.view(blocks, 16, groups, 8, 4).permute(0, 2, 3, 1, 4)  # (RB, G, c, j, t)
+    return chunks.reshape(blocks, groups, 512).contiguous()

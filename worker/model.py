@@ -305,10 +305,11 @@ class LlamaModel(nn.Module):
                 module.pack()
         return True
 
-    def attach_q4(self, tensors: dict[str, Q4Tensor], max_tokens: int) -> int:
+    def attach_q4(self, tensors: dict[str, Q4Tensor], max_tokens: int, w4a8: bool = False) -> int:
         """Give every fused linear whose parts are all 4-bit in ``tensors`` (Hugging Face names)
-        its 4-bit form for steps of at most ``max_tokens`` tokens, and the lm head its own for
-        single rows; returns how many got one."""
+        its 4-bit form for steps of at most ``max_tokens`` tokens (and with ``w4a8`` for bigger
+        ones, see ``Linear.attach_q4``), and the lm head its own for single rows; returns how
+        many got one."""
         attached = 0
         for index, layer in enumerate(self.model.layers):
             for fused, names in _FUSED_PARTS.items():
@@ -317,7 +318,7 @@ class LlamaModel(nn.Module):
                 # 4-bit matrices only: an 8-bit one (two halves, twice the columns) pays for a
                 # single row only, and every step through a layer may have more.
                 if None not in parts and all(p.q.shape[1] == linear.in_features for p in parts):
-                    linear.attach_q4(parts, max_tokens)
+                    linear.attach_q4(parts, max_tokens, w4a8)
                     attached += 1
         head = tensors.get("lm_head.weight")
         if head is None and self.spec.tie_embeddings:

@@ -108,9 +108,10 @@ def _log_ready(worker, ready: WorkerReady) -> None:
         log.info("generic path: the code CUDA runs (plain weights, torch's argmax)")
     if worker.q4_linears:
         log.info(
-            "%d linears also run on the GGUF's 4-bit weights, in steps of at most %d tokens",
+            "%d linears also run on the GGUF's 4-bit weights, in steps of at most %d tokens%s",
             worker.q4_linears,
             worker.config.q4_max_tokens,
+            "; bigger steps on them times 8-bit activations" if _runs_w4a8(worker.model) else "",
         )
     job = worker.compile_job
     if job is not None:
@@ -198,3 +199,9 @@ def resident_bytes() -> int:
             return int(statm.read().split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
         return 0
+
+
+def _runs_w4a8(model) -> bool:
+    from worker.linear import Linear
+
+    return any(isinstance(m, Linear) and m.w4a8 is not None for m in model.modules())

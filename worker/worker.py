@@ -137,7 +137,7 @@ class Worker:
         if self.files.gguf_file is None:
             return
         tensors = load_q4(self.files, model_type, self.spec.n_heads, self.spec.n_kv_heads)
-        self.q4_linears = self.model.attach_q4(tensors, self.config.q4_max_tokens)
+        self.q4_linears = self.model.attach_q4(tensors, self.config.q4_max_tokens, self.config.w4a8)
 
     @property
     def decode_path(self) -> str:

@@ -23,6 +23,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="steps of at most this many tokens run on the GGUF's 4-bit weights (bfloat16, CPU)",
     )
     parser.add_argument(
+        "--w4a8",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bigger steps on the same 4-bit weights times 8-bit activations, as `nanoserve "
+        "worker --w4a8` (default on)",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="run small decode steps compiled, as `nanoserve worker --compile` (CPU)",
@@ -58,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         decode_steps=args.decode_steps,
         num_threads=args.threads,
         q4_max_tokens=args.q4_max_tokens,
+        w4a8=args.w4a8,
         compile=args.compile,
         generic_path=args.generic_path,
         profile=args.profile,

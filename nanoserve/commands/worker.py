@@ -55,6 +55,14 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         "file's own 4-bit weights (0: never; default 8)",
     )
     group.add_argument(
+        "--w4a8",
+        action=argparse.BooleanOptionalAction,
+        default=env("w4a8", True, bool),
+        help="there, where the CPU has AVX512-VNNI: bigger steps multiply the same 4-bit "
+        "weights by activations quantized to 8 bits in groups of 32, as llama.cpp does "
+        "(default on; --no-w4a8: bfloat16 matrices)",
+    )
+    group.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=env("compile", None, bool),
@@ -169,6 +177,7 @@ def worker_config(args: argparse.Namespace):
         seed=args.seed,
         num_threads=args.threads,
         q4_max_tokens=args.q4_max_tokens,
+        w4a8=args.w4a8,
         compile=args.compile,
         generic_path=args.generic_path,
         adapt_threads=args.adapt_threads,

@@ -22,7 +22,7 @@ from conftest import make_worker
 from worker import kernels
 from worker.attention import CpuKernelBackend
 from worker.gguf_reader import Q4Tensor
-from worker.linear import pack_q4
+from worker.linear import pack_q4, pack_w4a8
 
 
 @pytest.fixture(autouse=True)
@@ -322,6 +322,91 @@ def test_q4_linear_refuses_what_it_cannot_compute():
         linear(x, packed[0], packed[1], packed[2][:1])
     with pytest.raises(RuntimeError, match="packed must be contiguous"):
         linear(x, packed[0][..., :128], packed[1], packed[2])
+
+
+needs_vnni = pytest.mark.skipif(not kernels.uses_vnni(), reason="w4a8_linear needs AVX512-VNNI")
+
+
+def _w4a8_reference(x: torch.Tensor, q4: Q4Tensor) -> torch.Tensor:
+    """llama.cpp's Q4_1 x Q8_1 dot (ggml_vec_dot_q4_1_q8_1 after quantize_row_q8_1), summed in
+    float64: x (M, K) bfloat16 -> (M, N)."""
+    rows, cols = x.shape
+    xs = x.float().view(rows, cols // 32, 32)
+    amax = xs.abs().amax(-1, keepdim=True)  # (M, G, 1)
+    # 127 / amax as C divides: torch's scalar / tensor multiplies by a rounded reciprocal.
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+    a = torch.round(xs * inverse)  # float32 product, rounded half to even
+    d = amax / 127
+    s = d * a.sum(-1, keepdim=True)
+    d, s = d.half().double().squeeze(-1), s.half().double().squeeze(-1)  # block_q8_1's ds
+    scale, low = q4.scale.double(), (q4.zero - 8 * q4.scale).double()  # w = scale * q + low
+    sums = torch.einsum("mgk,ngk->mng", a.double(), q4.q.double().view(-1, cols // 32, 32))
+    return (sums * d[:, None] * scale).sum(-1) + (s[:, None] * low).sum(-1)
+
+
+@needs_vnni
+@pytest.mark.parametrize(
+    "rows, cols, batch, has_min",
+    [(16, 32, 1, True), (48, 64, 9, False), (960, 576, 32, True), (100, 96, 13, True),
+     (3072, 576, 6, True), (576, 1536, 130, False)],
+)  # fmt: skip
+def test_w4a8_linear_is_llamacpps_q4_1_q8_1_dot_to_bfloat16s_rounding(rows, cols, batch, has_min):
+    q4 = _q4_case(rows, cols, seed=rows + cols, has_min=has_min)
+    _, scale, low = pack_q4([q4])
+    packed = pack_w4a8([q4])
+    assert packed.shape == (-(-rows // 16), cols // 32, 512)
+    x = (torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch)) * 3).bfloat16()
+    if batch > 1:
+        x[1, :32] = 0  # a group of zeros quantizes to zeros, not NaNs
+    want = _w4a8_reference(x, q4)
+    got = torch.ops.nanoserve.w4a8_linear(x, packed, scale, low)[:, :rows].double()
+    assert got.shape == want.shape
+    # bfloat16's rounding of the output, plus float32 sums of a few dozen groups.
+    bound = 2**-8 * want.abs() + 1e-5 * want.abs().max()
+    assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
+    # and not the unquantized product: the 8-bit activations are what it multiplies
+    exact = x.double() @ _dequantized64(q4).T
+    assert not ((got - exact).abs() <= 2**-8 * exact.abs()).all()
+
+
+@needs_vnni
+def test_w4a8_linear_reads_each_byte_as_its_own_column():
+    """One weight of 1.0 at a time, everywhere else 0, and x's groups quantized exactly
+    (each group's largest is 127): each output is exactly the x it picks."""
+    rows, cols = 32, 64
+    x = torch.arange(1, cols + 1, dtype=torch.bfloat16)[None]
+    x[0, 31], x[0, 63] = 127, 127
+    for row, col in [(0, 0), (0, 1), (5, 4), (15, 17), (16, 2), (31, 62), (7, 40)]:
+        q = torch.zeros(rows, cols, dtype=torch.uint8)
+        q[row, col] = 1
+        scale = torch.ones(rows, cols // 32)
+        q4 = Q4Tensor(q, scale, 8 * scale)  # weight = q
+        _, s, low = pack_q4([q4])
+        out = torch.ops.nanoserve.w4a8_linear(x, pack_w4a8([q4]), s, low)
+        want = torch.zeros(1, rows)
+        want[0, row] = x[0, col].float()
+        assert torch.equal(out.float(), want), (row, col)
+
+
+@needs_vnni
+def test_w4a8_linear_refuses_what_it_cannot_compute():
+    q4 = _q4_case(32, 64, seed=1)
+    _, scale, low = pack_q4([q4])
+    packed = pack_w4a8([q4])
+    x = torch.randn(2, 64).bfloat16()
+    linear = torch.ops.nanoserve.w4a8_linear
+    with pytest.raises(RuntimeError, match="x has no rows"):
+        linear(x[:0], packed, scale, low)
+    with pytest.raises(RuntimeError, match="x has 96 columns, the weight 64"):
+        linear(torch.randn(2, 96).bfloat16(), packed, scale, low)
+    with pytest.raises(RuntimeError, match="contiguous \\(M, K\\) bfloat16"):
+        linear(x.float(), packed, scale, low)
+    with pytest.raises(RuntimeError, match="scale and low must be contiguous"):
+        linear(x, packed, scale.float(), low)
+    with pytest.raises(RuntimeError, match="scale and low must be contiguous"):
+        linear(x, packed, scale, low[:1])
+    with pytest.raises(RuntimeError, match="packed must be contiguous"):
+        linear(x, packed[..., :256], scale, low)
 
 
 @pytest.mark.parametrize("rows, width", [(1, 576), (7, 64), (128, 576), (300, 40)])

@@ -115,6 +115,34 @@ def test_q4_linear_computes_the_stacked_dequantized_matrix_on_small_steps_only(q
 
 
 @needs_onednn
+@pytest.mark.skipif(not kernels.uses_vnni(), reason="w4a8_linear needs AVX512-VNNI")
+def test_w4a8_takes_the_big_steps_and_the_bfloat16_matrix_goes(private_cache):
+    """With ``w4a8``, steps over ``max_tokens`` rows multiply the same 4-bit integers by 8-bit
+    activations (the kernel's exact numbers, plus the bias); small steps stay on q4_linear;
+    the bfloat16 matrix is dropped, since no step reads it any more."""
+    parts = [_random_q4(96, 128, seed) for seed in (2, 3)]
+    weight = torch.cat([_dequantized(p) for p in parts])  # (192, 128)
+    bias = torch.randn(192, generator=torch.Generator().manual_seed(4)).bfloat16()
+    layer = Linear.of(weight.bfloat16(), bias.clone())
+    layer.pack()
+    layer.attach_q4(parts, max_tokens=3, w4a8=True)
+    assert layer.w4a8 is not None and layer.packed is None and layer.weight is None
+    x = torch.randn(12, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    _, scale, low = layer.q4
+    direct = torch.ops.nanoserve.w4a8_linear(x, layer.w4a8, scale, low)[:, :192] + bias
+    assert torch.equal(layer(x), direct)
+    want = F.linear(x.float(), weight, bias.float())
+    assert (layer(x).float() - want).abs().max().item() < 0.05 * want.abs().max().item()
+    small = torch.ops.nanoserve.q4_linear(x[:3], *layer.q4)[:, :192] + bias
+    assert torch.equal(layer(x[:3]), small)
+    # an 8-bit matrix (two halves) keeps its bfloat16 matrix for its big steps
+    q8 = Linear.of(torch.zeros(160, 96).bfloat16(), None)
+    q8.pack()
+    q8.attach_q4([_q8_blocks(_q8_rows(rows=160, cols=96, seed=7))], max_tokens=1, w4a8=True)
+    assert q8.w4a8 is None and q8.packed is not None
+
+
+@needs_onednn
 def test_q8_linear_feeds_both_halves_on_single_rows_only(q4_kernel):
     q8 = _q8_blocks(_q8_rows(rows=160, cols=96, seed=7))
     halves = _dequantized(q8)  # (160, 192)
@@ -208,3 +236,8 @@ def test_the_floor_counts_the_weight_form_each_batch_size_reads(tiny_dir):
     assert two.kv == 2 * 10 * spec.num_layers * 2 * spec.n_kv_heads * hd * 2
     assert two.seconds == (two.linears + two.head + two.kv) / 2e9
     assert read_bandwidth(repeats=1) > 1e8  # bytes a second: any machine reads 100 MB/s
+    if kernels.uses_vnni():  # with --w4a8 the big steps read the integers a byte each
+        model.model.layers[0].mlp.down_proj.attach_q4([down], max_tokens=8, w4a8=True)
+        scales = sum(t.numel() * t.element_size() for t in packed_down[1:])
+        nine = step_floor(model, 9, 10, torch.bfloat16, 2e9)
+        assert nine.linears == plain - inter * d * 2 + inter * d + scales + 9 * d * 2
