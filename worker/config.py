@@ -24,9 +24,9 @@ class WorkerConfig:
     frontend and scheduler processes (they sleep while the worker computes).
     ``q4_max_tokens``: on CPU in bfloat16, with a GGUF whose matrices are Q4_0 or Q4_1, steps of
     at most this many tokens run on the file's own 4-bit weights (0: never).
-    ``w4a8``: there, where the CPU also has AVX512-VNNI, the bigger steps run on the same 4-bit
-    weights times activations quantized to 8 bits in groups of 32 (llama.cpp's numerics for a
-    Q4_1 matrix), not on bfloat16 matrices (``csrc/w4a8_linear.cpp``).
+    ``w4a8``: there, where the CPU also has AVX512-VNNI, the MLP's bigger steps run on the same
+    4-bit weights times activations quantized to 8 bits in groups of 32 (llama.cpp's numerics
+    for a Q4_1 matrix), not on bfloat16 matrices (``csrc/w4a8_linear.cpp``).
     ``compile``: on CPU, decode-only steps of at most 32 rows run as one ``torch.compile``d graph
     (``worker.compiled``); None: wherever it pays (CPU, off the generic path, torch >= 2.13).
     ``adapt_threads``: on CPU with one rank, drop to one thread while another process holds a

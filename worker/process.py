@@ -111,7 +111,7 @@ def _log_ready(worker, ready: WorkerReady) -> None:
             "%d linears also run on the GGUF's 4-bit weights, in steps of at most %d tokens%s",
             worker.q4_linears,
             worker.config.q4_max_tokens,
-            "; bigger steps on them times 8-bit activations" if _runs_w4a8(worker.model) else "",
+            "; the MLP's bigger steps times 8-bit activations" if _runs_w4a8(worker.model) else "",
         )
     job = worker.compile_job
     if job is not None:

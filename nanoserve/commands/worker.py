@@ -58,8 +58,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         "--w4a8",
         action=argparse.BooleanOptionalAction,
         default=env("w4a8", True, bool),
-        help="there, where the CPU has AVX512-VNNI: bigger steps multiply the same 4-bit "
-        "weights by activations quantized to 8 bits in groups of 32, as llama.cpp does "
+        help="there, where the CPU has AVX512-VNNI: the MLP's bigger steps multiply the same "
+        "4-bit weights by activations quantized to 8 bits in groups of 32, as llama.cpp does "
         "(default on; --no-w4a8: bfloat16 matrices)",
     )
     group.add_argument(

@@ -14,6 +14,7 @@ import torch
 from conftest import hf_greedy, hf_logits, make_worker
 from driver import Driver, Request, greedy_requests
 
+from worker import kernels
 from worker.attention import TorchBackend
 
 pytestmark = pytest.mark.slow
@@ -36,7 +37,10 @@ MAX_NEW = 48
 LOGIT_TOL = 5e-4  # float32 (7e-5 seen); logits are O(10), only summation order differs
 BF16_TOL = 1.5  # bfloat16 vs float32 max |logit difference| on the prompts' last tokens (0.87 seen)
 Q4_TOL = 3.0  # 4-bit decode steps vs float32, max |logit difference| (2.43 seen)
-W4A8_TOL = 3.0  # 4-bit weights x 8-bit activations, every step
+# 4-bit weights x 8-bit activations in the MLP, every step: measured 3.26 and 96.5% (1.80 and
+# 95.7% with the attention's projections 8-bit too); scripts/accuracy.py sets them beside
+# llama.cpp's, as log-probability errors (the free shift of the logits taken out).
+W4A8_TOL = 4.0
 W4A8_AGREE = 0.93
 
 
@@ -136,8 +140,8 @@ def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts)
     and pick the same token nearly always: one request at a time (every decode step on the
     4-bit weights in bfloat16, the prefills on them times 8-bit activations) and all twelve
     at once (every step times 8-bit activations, llama.cpp's numerics).
-    Measured one at a time: 1.53 and 97.3% (the lm head on its 8-bit matrix too, at one row;
-    the decode attention in float32 in worker.kernels' kernel), 1.36 and 97.3% before the
+    Measured one at a time: 1.40 and 97.6% (the lm head on its 8-bit matrix too, at one row;
+    the decode attention in float32 in worker.kernels' kernel); 1.53 and 97.3% before the
     8-bit prefills. Before that kernel, with bfloat16 bmm attention: 2.43 and 96.5%; plain
     bfloat16 then gave 1.57 and 97.0% on the same steps. All at once: see W4A8_*."""
     workers = {
@@ -146,6 +150,10 @@ def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts)
     }
     assert workers["q4"].q4_linears == 30 * 4 + 1  # qkv, o, gate_up, down in every layer; lm head
     assert workers["f32"].q4_linears == 0
+    if kernels.uses_vnni():  # the MLP's big steps take 8-bit activations, the attention's not
+        modules = workers["q4"].model.named_modules()
+        taking = [n for n, m in modules if getattr(m, "w4a8", None) is not None]
+        assert len(taking) == 30 * 2 and all(".mlp." in name for name in taking)
     reference = [Driver(workers["f32"], eos=[]).run([Request("r", p, 32)])[0] for p in real_prompts]
 
     def forced() -> list[Request]:  # fresh ones: a run records into its requests
