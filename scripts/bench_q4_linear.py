@@ -35,14 +35,30 @@ def median_seconds(call, reps: int = 200) -> float:
     return sorted(times)[reps // 2]
 
 
-def one(rows: int, cols: int, batch: int, gen: torch.Generator) -> tuple[float, float]:
+def random_q4(rows: int, cols: int, gen: torch.Generator) -> tuple[Q4Tensor, torch.Tensor]:
+    """A random Q4_1-like matrix (float16 scales and mins) and its (rows, cols) float64 value."""
     groups = cols // 32
     q = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
     d = (torch.rand(rows, groups, generator=gen) * 0.02).half().float()
     m = (-torch.rand(rows, groups, generator=gen) * 0.1).half().float()
     q4 = Q4Tensor(q, d, m + 8 * d)
     weight = (q.double() - 8) * q4.scale.double().repeat_interleave(32, 1)
-    weight += q4.zero.double().repeat_interleave(32, 1)
+    return q4, weight + q4.zero.double().repeat_interleave(32, 1)
+
+
+def whole_model(one, batch: int, shapes: list, gen: torch.Generator) -> tuple[float, float]:
+    """``one``'s two times summed over ``shapes`` (rows, cols, how many the model has)."""
+    ours = theirs = 0.0
+    for rows, cols, count in shapes:
+        t_ours, t_theirs = one(rows, cols, batch, gen)
+        ours, theirs = ours + count * t_ours, theirs + count * t_theirs
+    return ours, theirs
+
+
+def one(rows: int, cols: int, batch: int, gen: torch.Generator) -> tuple[float, float]:
+    groups = cols // 32
+    q4, weight = random_q4(rows, cols, gen)
+    q = q4.q
     x = torch.randn(batch, cols, generator=gen).bfloat16()
     want = x.double() @ weight.T
     ours = pack_q4([q4])
@@ -73,10 +89,7 @@ def main() -> int:
     torch.set_num_threads(2)
     gen = torch.Generator().manual_seed(0)
     for batch in (1, 4, 8):
-        ours = theirs = 0.0
-        for rows, cols, count in SHAPES:
-            t_ours, t_torch = one(rows, cols, batch, gen)
-            ours, theirs = ours + count * t_ours, theirs + count * t_torch
+        ours, theirs = whole_model(one, batch, SHAPES, gen)
         print(f"whole model, {batch} rows: {ours * 1e3:.2f} ms against torch's {theirs * 1e3:.2f}")
     return 0
 

@@ -18,21 +18,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_q4_linear import SHAPES, median_seconds  # noqa: E402 - after the path setup above
+from bench_q4_linear import (  # noqa: E402 - after the path setup above
+    SHAPES,
+    median_seconds,
+    random_q4,
+    whole_model,
+)
 
 from worker import kernels  # noqa: E402
-from worker.gguf_reader import Q4Tensor  # noqa: E402
 from worker.linear import pack_q4, pack_w4a8  # noqa: E402
 
 
 def one(rows: int, cols: int, batch: int, gen: torch.Generator) -> tuple[float, float]:
-    groups = cols // 32
-    q = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
-    d = (torch.rand(rows, groups, generator=gen) * 0.02).half().float()
-    m = (-torch.rand(rows, groups, generator=gen) * 0.1).half().float()
-    q4 = Q4Tensor(q, d, m + 8 * d)
-    weight = (q.float() - 8) * q4.scale.repeat_interleave(32, 1)
-    weight += q4.zero.repeat_interleave(32, 1)
+    q4, weight = random_q4(rows, cols, gen)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), 32)
     _, scale, low = pack_q4([q4])
     integers = pack_w4a8([q4])
@@ -60,10 +58,8 @@ def main() -> int:
     torch.set_num_threads(2)
     gen = torch.Generator().manual_seed(0)
     for batch in (16, 32, 128):
-        ours = theirs = 0.0
-        for rows, cols, count in SHAPES[:-1]:  # the layers; the lm head stays bfloat16 here
-            t_ours, t_onednn = one(rows, cols, batch, gen)
-            ours, theirs = ours + count * t_ours, theirs + count * t_onednn
+        # the layers only: the lm head stays bfloat16 in big steps
+        ours, theirs = whole_model(one, batch, SHAPES[:-1], gen)
         print(f"30 layers, {batch} rows: {ours * 1e3:.2f} ms against oneDNN's {theirs * 1e3:.2f}")
     return 0
 
