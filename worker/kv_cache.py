@@ -18,13 +18,10 @@ from __future__ import annotations
 import torch
 
 from protocol.blocks import blocks_for
-from worker.machine import advise_huge_pages
 
 
 class KVCache:
     """The K/V pool: (num_layers, 2, n_kv_heads, num_blocks + 1, block_size, head_dim)."""
-
-    huge_page_bytes: int = 0  # of the pool, advised to 2 MiB pages (CPU, Linux)
 
     def __init__(
         self,
@@ -42,18 +39,10 @@ class KVCache:
         self.block_size = block_size
         self.trash_block = num_blocks  # the one block past the ledger's
         shape = (num_layers, 2, n_kv_heads, num_blocks + 1, block_size, head_dim)
-        # Zeroed now: every page is touched, so the whole budget is resident from the start and
-        # memory stays flat however the blocks are later reused (untouched, reused blocks would
-        # keep touching new pages), and a budget too big fails at start. On CPU the pages are
-        # 2 MiB ones, asked for before the first touch: a decode reads each row's blocks from
-        # anywhere in the pool, and with 4 KiB pages nearly every block is a TLB miss that the
-        # kernel's prefetches cannot hide (batch 32, 192 positions, blocks scattered over a
-        # 4.3 GB pool: 19.2 -> 11.7 ms of attention a step; adjacent blocks 8.5 -> 5.9; ad hoc).
-        self.pool = torch.empty(shape, dtype=dtype, device=device)
-        if self.pool.device.type == "cpu":
-            size = self.pool.numel() * self.pool.element_size()
-            self.huge_page_bytes = advise_huge_pages(self.pool.data_ptr(), size)
-        self.pool.zero_()
+        # zeros, not empty: every page is touched now, so the whole budget is resident from the
+        # start and memory stays flat however the blocks are later reused (with empty, reused
+        # blocks would keep touching new pages), and a budget too big fails at start.
+        self.pool = torch.zeros(shape, dtype=dtype, device=device)
         flat = (num_layers, 2, n_kv_heads, (num_blocks + 1) * block_size, head_dim)
         self._flat = self.pool.view(flat)
         self._scratch: dict[str, torch.Tensor] = {}

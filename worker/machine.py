@@ -1,7 +1,5 @@
 """What the machine lends the worker: the CPUs it may really use, and memory for the KV pool.
 
-Memory: the pool's size from free RAM, and 2 MiB pages for it (``advise_huge_pages``).
-
 CPUs: the affinity mask, capped by the cgroup's CPU quota. ``os.cpu_count()`` counts the
 machine's CPUs, which a container or a ``taskset`` may deny the worker; more threads than usable
 CPUs make OpenMP's threads wait on each other at every barrier, and one descheduled thread
@@ -10,17 +8,9 @@ stalls the whole step.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import logging
 import math
 import os
 from pathlib import Path
-
-log = logging.getLogger(__name__)
-
-HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # linux/mman.h
 
 
 def usable_cpus() -> int:
@@ -86,24 +76,3 @@ def bound_onednn_cache() -> None:
     stops growing once they are built. oneDNN reads the variable when it builds its first
     primitive, so this runs before the model loads."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
-
-
-def advise_huge_pages(address: int, length: int) -> int:
-    """Ask Linux to back ``[address, address + length)`` with 2 MiB pages (madvise
-    MADV_HUGEPAGE on its 2 MiB-aligned interior), before anything touches it: with
-    transparent huge pages in ``madvise`` mode (the usual default) anonymous memory otherwise
-    gets 4 KiB pages. Returns the bytes advised; 0 where the call is refused or missing
-    (other systems, THP off), which only costs speed."""
-    start = -(-address // HUGE_PAGE) * HUGE_PAGE
-    end = (address + length) // HUGE_PAGE * HUGE_PAGE
-    if end <= start:
-        return 0
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        done = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
-    except (OSError, AttributeError):
-        return 0
-    if done != 0:
-        log.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
-        return 0
-    return end - start

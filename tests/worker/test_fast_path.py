@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -68,38 +66,3 @@ def test_scratch_reuses_memory_and_grows():
     c = cache.scratch("k", (10, 10))
     assert c.shape == (10, 10) and c.numel() == 100
     assert cache.scratch("v", (1,)).data_ptr() != c.data_ptr()
-
-
-def _anon_huge_kib(start: int, end: int) -> int:
-    """AnonHugePages of this process's mappings that overlap [start, end), in KiB."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                low, high = (int(x, 16) for x in head.split("-"))
-                inside = low < end and high > start
-            elif inside and head == "AnonHugePages:":
-                total += int(line.split()[1])
-    return total
-
-
-@pytest.mark.skipif(
-    "[madvise]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
-    else True,
-    reason="needs transparent huge pages in madvise mode",
-)
-def test_the_pool_is_zeroed_on_huge_pages():
-    """Asked for before the first touch, the pool's aligned interior lies on 2 MiB pages
-    (where THP is ``madvise``, 4 KiB pages otherwise), and it is all zeros."""
-    cache = KVCache(
-        num_layers=4, num_blocks=255, block_size=16, n_kv_heads=4, head_dim=64,
-        dtype=torch.bfloat16, device="cpu",
-    )  # fmt: skip
-    size = cache.pool.numel() * cache.pool.element_size()  # 16 MiB
-    start = cache.pool.data_ptr()
-    assert cache.huge_page_bytes >= size - 4 * (2 << 20)  # all but the unaligned ends
-    # Most of it really is on huge pages (the kernel may not find a free one for every fault).
-    assert _anon_huge_kib(start, start + size) * 1024 >= cache.huge_page_bytes // 2
-    assert not cache.pool.any()
