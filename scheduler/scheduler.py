@@ -207,8 +207,16 @@ class Scheduler:
             if victim is request:
                 return False
         if missing > 0:
-            request.block_ids += self.allocator.allocate(missing)
+            request.block_ids += self._allocate(request, missing)
         return True
+
+    def _allocate(self, request: Request, n: int) -> list[int]:
+        """``n`` new blocks for ``request``: after its last one, with room for all it may reach,
+        at most an even share of the pool (BlockAllocator.allocate)."""
+        ids, share = request.block_ids, max(1, self.allocator.num_blocks // self.num_slots)
+        most = request.most_blocks(self.allocator.block_size, self.max_model_len)
+        room = min(most, len(ids) + share) - len(ids)
+        return self.allocator.allocate(n, after=ids[-1] if ids else None, room=room)
 
     def _preempt(self, victim: Request) -> None:
         """Preempt by recompute: blocks and slot back, tokens kept, head of the queue."""
@@ -250,7 +258,8 @@ class Scheduler:
         """Admit the waiting head: a slot, its hits shared, the rest of its blocks new."""
         request.status = RequestStatus.RUNNING
         request.slot = heapq.heappop(self._free_slots)
-        request.block_ids = self.allocator.take(hits) + self.allocator.allocate(need - len(hits))
+        request.block_ids = self.allocator.take(hits)
+        request.block_ids += self._allocate(request, need - len(hits))
         request.admission_blocks = need
         self.cache.admitted(request, hits)
         self.running.append(request)

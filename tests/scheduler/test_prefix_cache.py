@@ -264,7 +264,6 @@ def test_audit_cached_free_but_not_queued(shared) -> None:
     alloc = shared.scheduler.allocator
     block = alloc.eviction_queue[0]
     del alloc._evictable[block]  # freed onto the uncached list with its hash kept
-    alloc._free.append(block)
     alloc._free_set.add(block)
     _fires(shared, f"block {block} is cached and free but not in the eviction queue")
 

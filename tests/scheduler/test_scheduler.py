@@ -190,3 +190,36 @@ def test_eos_ends_a_grammar_request_even_before_min_tokens() -> None:
     eos = frozenset({2})
     assert free.stop_reason(2, eos, max_model_len=64) is None
     assert bound.stop_reason(2, eos, max_model_len=64) == "stop"
+
+
+def _final_blocks(engine) -> dict[str, list[int]]:
+    """Run to the end; each request's blocks when it last ran."""
+    held: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        engine.step()
+        held.update((r.request_id, list(r.block_ids)) for r in engine.scheduler.running)
+    return held
+
+
+def test_requests_growing_together_each_hold_adjacent_blocks(monkeypatch) -> None:
+    """Eight requests decode in one batch, so their growth interleaves block by block; each
+    started where it had room for its prompt plus max_tokens, and each still holds one run of
+    adjacent blocks (what the worker's attention streams fastest)."""
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+    def run() -> dict[str, list[int]]:
+        engine = make_engine(num_blocks=256, num_slots=8)
+        for i, p in enumerate(prompts(8)):
+            engine.add_request(f"r{i}", p, params)
+        held = _final_blocks(engine)
+        assert_all_back(engine)
+        return held
+
+    held = run()
+    assert len(held) == 8 and all(len(ids) >= 9 for ids in held.values())  # 36 tokens, by 4
+    assert all(ids == list(range(ids[0], ids[0] + len(ids))) for ids in held.values()), held
+    # without the placement hints the same run interleaves the requests' blocks
+    plain = BlockAllocator.allocate
+    monkeypatch.setattr(BlockAllocator, "allocate", lambda self, n, **_: plain(self, n))
+    held = run()
+    assert not all(ids == list(range(ids[0], ids[0] + len(ids))) for ids in held.values())
