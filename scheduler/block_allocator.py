@@ -50,8 +50,7 @@ class BlockAllocator:
         self.block_size = block_size
         self._free_set: set[int] = set(range(num_blocks))
         # Where the next run is looked for: just past the last one placed. It sweeps the pool,
-        # which spreads writes over it and makes a block reused too early (a leak's twin) show
-        # up sooner in tests, as a FIFO free list would.
+        # spreading writes over it as the FIFO free list before it did.
         self._cursor = 0
         # Cached-free blocks in eviction order: least recently freed first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
