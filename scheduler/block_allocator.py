@@ -165,18 +165,15 @@ class BlockAllocator:
             ids.append(self._take_free(block_id))
         if len(ids) < n:
             ids += self._evict_run(n - len(ids))
-        while len(ids) < n:
-            block_id, _ = self._evictable.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(block_id)]
-            self._hold(block_id)
-            ids.append(block_id)
+        while len(ids) < n:  # no run: the least recently freed, one at a time
+            ids.append(self._take_cached(next(iter(self._evictable))))
         return ids
 
     def _run(self, k: int, room: int) -> range:
         """The first ``k`` blocks of a run of uncached-free blocks ``max(k, room)`` long, else
         of one ``k`` long, else none; the cursor moves past the run."""
         for span in (room, k) if room > k else (k,):
-            start = self._find(bytes([FREE]) * span)
+            start = self._find(_FREE_BYTE * span)
             if start >= 0:
                 self._cursor = start + span
                 return range(start, start + k)
@@ -196,11 +193,7 @@ class BlockAllocator:
             high += 1
         if high - low + 1 < k:
             return []
-        for block_id in range(low, high + 1):
-            del self._evictable[block_id]
-            del self._by_hash[self._hash_of.pop(block_id)]
-            self._hold(block_id)
-        return list(range(low, high + 1))
+        return [self._take_cached(block_id) for block_id in range(low, high + 1)]
 
     def _find(self, pattern: bytes) -> int:
         """Where ``pattern`` (FREE bytes) first occurs in the block states from the cursor on,
@@ -210,6 +203,13 @@ class BlockAllocator:
 
     def _take_free(self, block_id: int) -> int:
         self._free_set.remove(block_id)
+        self._hold(block_id)
+        return block_id
+
+    def _take_cached(self, block_id: int) -> int:
+        """Evict a cached-free block (its hash leaves the index) and hold it."""
+        del self._evictable[block_id]
+        del self._by_hash[self._hash_of.pop(block_id)]
         self._hold(block_id)
         return block_id
 
