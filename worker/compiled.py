@@ -66,9 +66,7 @@ class CompiledDecode:
                 "cpp_wrapper": True,
                 # The oneDNN fusion passes assume weights inductor packed itself (freezing).
                 "pattern_matcher": False,
-                # The model's modules never change after start: checking them every step would
-                # be wasted work.
-                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                "guard_filter_fn": _guards_to_keep,
             },
         )
 
@@ -147,6 +145,21 @@ def _decode_graph(model, attention, layers, input_ids, cos, sin, blocks, cached)
     attends = [attend_over(layers[index]) for index in range(layers.shape[0])]
     hidden = model.run_layers(x, cos, sin, attends)
     return hidden, torch.stack(new_kv)
+
+
+def _guards_to_keep(entries: list) -> list[bool]:
+    """Dynamo's guard filter: which guards each step checks. Not the model's modules: they never
+    change after start, and checking them every step would be wasted work. Not the global state
+    either: it holds torch's thread count, which ``worker.threads`` drops to one beside a
+    CPU-bound neighbour, and a failed guard would send every step after it to eager. The
+    kernels read the count at run time (``cpp.dynamic_threads``), so one graph serves any count;
+    the rest of that state (grad mode, default dtype) is the same in every step the worker runs
+    (``torch.inference_mode``)."""
+    keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+    return [
+        kept and entry.guard_type != "GLOBAL_STATE"
+        for kept, entry in zip(keep, entries, strict=True)
+    ]
 
 
 _PACKED_LINEARS_ALLOWED = False

@@ -40,8 +40,10 @@ _TRACED = ("compiled.py", "model.py", "linear.py", "rope.py", "attention/base.py
 _MARKER = "compiled.ok"
 
 
-def compile_dir(config: WorkerConfig, model_id: str) -> Path:
-    """Where this worker's compiled graphs are cached (see the module docstring)."""
+def compile_dir(config: WorkerConfig, model_id: str, threads: int) -> Path:
+    """Where the compiled graphs of a worker on ``threads`` threads are cached (see the module
+    docstring). The worker's full count, not the one of the moment: beside a neighbour it runs
+    the same graphs on one thread."""
     source = hashlib.sha256()
     for name in _TRACED:
         source.update((Path(__file__).parent / name).read_bytes())
@@ -52,7 +54,7 @@ def compile_dir(config: WorkerConfig, model_id: str) -> Path:
         str(config.q4_max_tokens),
         str(config.w4a8),
         str(config.block_size),
-        str(torch.get_num_threads()),  # inductor splits loops for it when it generates kernels
+        str(threads),  # inductor splits loops for it when it generates kernels
         source.hexdigest()[:12],
     )
     key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
@@ -105,7 +107,7 @@ class BackgroundCompile:
         # The child runs the worker's thread count: inductor splits loops for it when it
         # generates kernels and keys its cache by it, so graphs compiled on another count miss
         # the cache and the worker would compile them all over again, in its own process.
-        threads = torch.get_num_threads()
+        threads = self.worker.num_threads
         config = dataclasses.replace(
             self.worker.config,
             num_blocks=64,  # the graphs do not depend on the pool's size
@@ -158,7 +160,7 @@ def start_compile(worker, background: bool) -> tuple[object | None, BackgroundCo
         raise ValueError("compile runs one rank only: tensor-parallel steps run eagerly")
     if torch_version() < (2, 13):
         raise ValueError(f"compile needs torch >= 2.13, this is {torch.__version__}")
-    directory = compile_dir(worker.config, worker.files.model_id)
+    directory = compile_dir(worker.config, worker.files.model_id, worker.num_threads)
     use_cache_dir(directory)
     if background:
         job = BackgroundCompile(worker, directory)

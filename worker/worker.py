@@ -60,10 +60,11 @@ class Worker:
 
         bound_onednn_cache()
         # By default the CPUs this process may use, shared between the host's ranks.
-        torch.set_num_threads(config.num_threads or max(1, usable_cpus() // group.local_size))
+        self.num_threads = config.num_threads or max(1, usable_cpus() // group.local_size)
+        torch.set_num_threads(self.num_threads)
         # One rank on CPU may drop to one thread beside a neighbour (ranks must stay alike).
         adapts = config.adapt_threads and config.resolved_device == "cpu" and group.size == 1
-        self.threads = ThreadGovernor(torch.get_num_threads() if adapts else 1)
+        self.threads = ThreadGovernor(self.num_threads if adapts else 1)
         self.config = config
         self.group = group
         self.device = config.resolved_device

@@ -34,8 +34,10 @@ def _config(tiny_dir):
 def _marker(tiny_dir) -> Path:
     from protocol.model_files import resolve_model
     from worker.compiling import compile_dir
+    from worker.machine import usable_cpus
 
-    return compile_dir(_config(tiny_dir), resolve_model(str(tiny_dir)).model_id) / "compiled.ok"
+    model_id = resolve_model(str(tiny_dir)).model_id
+    return compile_dir(_config(tiny_dir), model_id, usable_cpus()) / "compiled.ok"
 
 
 class BuiltBeside(NamedTuple):
@@ -84,6 +86,22 @@ def test_compiled_matches_transformers(compiled_worker, tiny_reference, scenario
     check(compiled_worker, model, expected, scenario)
     # Most decode steps ran compiled (four prompts: every decode-only step has <= 4 rows).
     assert compiled_worker.compiled.steps - before >= 15
+
+
+def test_a_thread_count_switch_keeps_the_steps_compiled(compiled_worker, tiny_reference):
+    """Beside a neighbour the worker drops to one thread (``worker.threads``) and comes back: the
+    same graphs run on either count. A guard on torch's thread count would make the first step
+    after a switch recompile, which raises here, and in serving sends every step to eager."""
+    model, expected = tiny_reference
+    full = torch.get_num_threads()
+    try:
+        for threads in (1, full + 1):
+            torch.set_num_threads(threads)
+            before = compiled_worker.compiled.steps
+            check(compiled_worker, model, expected, "batched")
+            assert compiled_worker.compiled.steps - before >= 15, threads
+    finally:
+        torch.set_num_threads(full)
 
 
 def test_bigger_decode_batches_and_mixed_steps_stay_eager(
