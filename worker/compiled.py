@@ -12,10 +12,11 @@ token's own k/v (``AttentionBackend.decode``), and returns the new K/V; one ``in
 after the graph writes every layer's at once. A write inside the graph would make inductor copy
 the whole pool to keep the graph functional.
 
-Compiling takes minutes per graph, and a step meets one of three (batch 1; 2 to the 4-bit limit;
-above it), so the worker compiles all of them at start (``warm_up``), before it announces
-itself. Inductor caches them on disk, so later starts only load them. Steps with prefills, and
-bigger decode batches, stay eager.
+Compiling takes minutes per graph, and a step meets one of two (batch 1; 2 to ``MAX_BATCH``: the
+4-bit linears choose their kernel by the rows at run time, in ``nanoserve::gguf_linear``, so
+the 4-bit limit does not split it), so the worker compiles both at start (``warm_up``).
+Inductor caches them on disk, so later starts only load them, and loading is mostly dynamo's
+tracing, some seconds a graph. Steps with prefills, and bigger decode batches, stay eager.
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ class CompiledDecode:
 
     def warm_up(self) -> None:
         """Compile every graph a step can meet now: batch 1; batches of 2 and more; and
-        ``MAX_BATCH``, which may fall on the other side of the 4-bit linears' limit (usually the
-        same graph as 2, then a cache hit)."""
+        ``MAX_BATCH``, which finds the graph of 2 where the 4-bit linears decide in C++ (where
+        they do not, as on a CPU without AVX512-BF16, it falls on the other side of their
+        limit and gets one of its own)."""
         began = time.perf_counter()
         for batch in (1, 2, MAX_BATCH):
             with torch.inference_mode():

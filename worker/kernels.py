@@ -19,6 +19,10 @@ instead of torch's int4 kernel (about half as fast here).
 times a GGUF 4-bit matrix, where the CPU has AVX512-BF16 and AVX512-VNNI (see
 ``csrc/w4a8_linear.cpp``); the big steps' linears, instead of oneDNN's bfloat16 matmuls.
 
+``torch.ops.nanoserve.gguf_linear``: a GGUF 4-bit matrix's linear at any row count, choosing
+``q4_linear``, ``w4a8_linear`` or oneDNN's matmul by the rows at run time
+(``csrc/gguf_linear.cpp``), so a compiled graph does not branch on its batch size.
+
 ``torch.ops.nanoserve.rms_norm``: F.rms_norm over bfloat16 rows in one pass (``csrc/rms_norm.cpp``);
 the eager steps' norms, where torch composes it of a float32 copy and five other operators.
 ``torch.ops.nanoserve.silu_mul``: the MLP's silu(gate) * up in one pass (``csrc/silu_mul.cpp``).
@@ -50,7 +54,9 @@ SOURCES = [
     _CSRC / name for name in ("decode_attention.cpp", "argmax.cpp", "rms_norm.cpp", "silu_mul.cpp")
 ]
 # Operators that exist only where the CPU has AVX512-BF16: other builds leave them out.
-BF16_SOURCES = [_CSRC / name for name in ("prefill_attention.cpp", "q4_linear.cpp")]
+BF16_SOURCES = [
+    _CSRC / name for name in ("prefill_attention.cpp", "q4_linear.cpp", "gguf_linear.cpp")
+]
 # And where it also has AVX512-VNNI.
 VNNI_SOURCES = [_CSRC / "w4a8_linear.cpp"]
 HEADER = _CSRC / "simd.h"  # included by the sources
@@ -186,6 +192,10 @@ def _register_fakes() -> None:
         @torch.library.register_fake("nanoserve::q4_linear")
         def _(x, packed, scale, low):
             return x.new_empty(x.shape[0], packed.shape[0] * 16)
+
+        @torch.library.register_fake("nanoserve::gguf_linear")
+        def _(x, q4, scale, low, w4a8, onednn, bias, max_rows, out_features):
+            return x.new_empty(x.shape[0], out_features)
 
     if uses_vnni():
 

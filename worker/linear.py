@@ -81,12 +81,14 @@ class Linear(nn.Linear):
         self.q4 = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w4a8 is not None and x.shape[0] > self.q4_max_tokens:
-            _, scale, low = self.q4
-            out = torch.ops.nanoserve.w4a8_linear(x.contiguous(), self.w4a8, scale, low)
-            if out.shape[1] != self.out_features:  # rows padded to a multiple of 16
-                out = out[:, : self.out_features].contiguous()
-            return out if self.bias is None else out.add_(self.bias)
+        big = self.w4a8 is not None or self.packed is not None  # what runs above the limit
+        if self.q4 is not None and self.q4_kernel and self.q4_halves == 1 and big:
+            # The same choice as below, made in C++ at run time: a compiled graph then has no
+            # branch on its batch size (csrc/gguf_linear.cpp).
+            return torch.ops.nanoserve.gguf_linear(
+                x, *self.q4, self.w4a8, self.packed, self.bias, self.q4_max_tokens,
+                self.out_features,
+            )  # fmt: skip
         if self.q4 is not None and x.shape[0] <= self.q4_max_tokens:
             x = torch.cat([x] * self.q4_halves, dim=1) if self.q4_halves > 1 else x.contiguous()
             if self.q4_kernel:

@@ -143,6 +143,33 @@ def test_w4a8_takes_the_big_steps_and_the_bfloat16_matrix_goes(private_cache):
 
 
 @needs_onednn
+@pytest.mark.parametrize("w4a8", [False, True])
+def test_a_compiled_4bit_linear_has_one_graph_for_every_batch(private_cache, w4a8):
+    """The choice between the small steps' kernel and the big steps' is made at run time
+    (``nanoserve::gguf_linear``), so a compiled graph with a dynamic batch takes 2 rows and 12
+    without recompiling: a Python branch on the rows made a graph for each side, and the
+    worker traced it on every start."""
+    if not (kernels.available() and kernels.uses_bf16()):
+        pytest.skip("nanoserve's 4-bit kernel needs AVX512-BF16")
+    if w4a8 and not kernels.uses_vnni():
+        pytest.skip("w4a8_linear needs AVX512-VNNI")
+    parts = [_random_q4(96, 128, seed) for seed in (2, 3)]
+    layer = Linear.of(torch.cat([_dequantized(p) for p in parts]).bfloat16(), None)
+    layer.pack()
+    layer.attach_q4(parts, max_tokens=3, w4a8=w4a8)
+    x = torch.randn(12, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    eager = [layer(x[:2]), layer(x)]
+    torch._dynamo.reset()
+    graph = torch.compile(layer.forward, fullgraph=True)
+    with torch.inference_mode():
+        small = x[:2].clone()
+        torch._dynamo.mark_dynamic(small, 0)
+        assert torch.equal(graph(small), eager[0])
+        with torch.compiler.set_stance("fail_on_recompile"):
+            assert torch.equal(graph(x.clone()), eager[1])
+
+
+@needs_onednn
 def test_q8_linear_feeds_both_halves_on_single_rows_only(q4_kernel):
     q8 = _q8_blocks(_q8_rows(rows=160, cols=96, seed=7))
     halves = _dequantized(q8)  # (160, 192)
