@@ -23,9 +23,13 @@ install: $(STAMP)
 serve: install
 	honcho start
 
+# Two test processes, a test file each at a time (its module fixtures start once): most tests
+# wait on the servers they start, and one process alone left a core idle. Then the tests that
+# need the machine to themselves.
 test: install
 	ruff check .
-	pytest -q
+	pytest -q -n 2 --dist loadfile -m "not serial"
+	pytest -q -m serial
 
 lint: install
 	ruff check . && ruff format --check .

@@ -13,6 +13,10 @@ from conftest import hf_logits, make_worker
 from driver import Driver, greedy_requests
 from test_tiny_exact import LOGIT_TOL, PROMPTS, check, reference
 
+# The module's one compile runs in a child at nice 19, as the worker runs it. Beside the suite's
+# other test process it got only the CPU that process left: 200 s where alone it took 60.
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture(scope="module")
 def tiny_reference(tiny_dir):

@@ -177,6 +177,7 @@ def _step(governor: ThreadGovernor, a: torch.Tensor) -> None:
     governor.after_step(time.perf_counter() - began)
 
 
+@pytest.mark.serial  # the suite's other process would be a neighbour too
 def test_a_real_neighbour_takes_a_thread_and_gives_it_back(two_cpus: set[int]) -> None:
     torch.manual_seed(0)
     a = torch.randn(384, 384)
