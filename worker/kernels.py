@@ -26,6 +26,8 @@ times a GGUF 4-bit matrix, where the CPU has AVX512-BF16 and AVX512-VNNI (see
 ``torch.ops.nanoserve.rms_norm``: F.rms_norm over bfloat16 rows in one pass (``csrc/rms_norm.cpp``);
 the eager steps' norms, where torch composes it of a float32 copy and five other operators.
 ``torch.ops.nanoserve.silu_mul``: the MLP's silu(gate) * up in one pass (``csrc/silu_mul.cpp``).
+``torch.ops.nanoserve.rotary_``: the eager steps' rotary embeddings, q and k rotated in place in
+one pass (``csrc/rotary.cpp``), where torch takes a roll, two multiplies and an add.
 
 ``torch.ops.nanoserve.argmax``: torch.argmax over float32 rows, vectorized (``csrc/argmax.cpp``);
 the sampler's greedy choices.
@@ -51,7 +53,8 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
-    _CSRC / name for name in ("decode_attention.cpp", "argmax.cpp", "rms_norm.cpp", "silu_mul.cpp")
+    _CSRC / name
+    for name in ("decode_attention.cpp", "argmax.cpp", "rms_norm.cpp", "silu_mul.cpp", "rotary.cpp")
 ]
 # Operators that exist only where the CPU has AVX512-BF16: other builds leave them out.
 BF16_SOURCES = [

@@ -112,8 +112,12 @@ class Attention(nn.Module):
 
     Loads as transformers' q/k/v_proj, then ``fuse`` concatenates them into one (q|k|v)
     matrix: one matmul instead of three, and one rotary call for q and k together. It holds
-    the shard's heads only; o_proj's partial sums are all-reduced over the group.
+    the shard's heads only; o_proj's partial sums are all-reduced over the group. With
+    ``kernel`` set, eager bfloat16 steps rotate with ``torch.ops.nanoserve.rotary_`` (one pass,
+    torch's roundings; ``RMSNorm`` says when).
     """
+
+    kernel = False
 
     def __init__(self, spec: ModelSpec, shard: Shard, group: Group) -> None:
         super().__init__()
@@ -144,7 +148,10 @@ class Attention(nn.Module):
             qkv[:, :nq] = self.q_norm(qkv[:, :nq])
             qkv[:, nq : nq + nkv] = self.k_norm(qkv[:, nq : nq + nkv])
         # Rotated in place, so k and v stay side by side in qkv: one cache write for both.
-        apply_rotary(qk, cos, sin, out=qk)
+        if self.kernel and qk.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+            torch.ops.nanoserve.rotary_(qk, cos, sin)
+        else:
+            apply_rotary(qk, cos, sin, out=qk)
         kv = qkv[:, nq:].view(tokens, 2, nkv, self.head_dim)
         out = attend(qkv[:, :nq], kv)  # (T, nq, hd)
         return self.group.all_reduce(self.o_proj(out.reshape(tokens, nq * self.head_dim)))

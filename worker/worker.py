@@ -30,7 +30,7 @@ from worker.config import WorkerConfig, resolve_max_model_len
 from worker.grammar import grammar_masks
 from worker.kv_cache import KVCache
 from worker.machine import bound_onednn_cache, default_kv_budget, usable_cpus
-from worker.model import MLP, LlamaModel, ModelSpec, RMSNorm
+from worker.model import MLP, Attention, LlamaModel, ModelSpec, RMSNorm
 from worker.parallel import SOLO, Group
 from worker.rows import RowTable, written_blocks
 from worker.sampler import Sampler
@@ -119,7 +119,7 @@ class Worker:
         own_kernels = self.device == "cpu" and not generic and kernels.available()
         self.sampler = Sampler(self.eos_token_ids, own_argmax=own_kernels)
         for module in self.model.modules():
-            if isinstance(module, (RMSNorm, MLP)):
+            if isinstance(module, (RMSNorm, MLP, Attention)):
                 module.kernel = own_kernels
         self.attention = select_backend(
             n_heads=self.shard.local_heads,

@@ -23,6 +23,7 @@ from worker import kernels
 from worker.attention import CpuKernelBackend
 from worker.gguf_reader import Q4Tensor
 from worker.linear import pack_q4, pack_w4a8
+from worker.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
 
 @pytest.fixture(autouse=True)
@@ -458,14 +459,40 @@ def test_silu_mul_refuses_what_it_cannot_compute():
         torch.ops.nanoserve.silu_mul(torch.randn(2, 7).bfloat16())
 
 
-def test_eager_bfloat16_steps_norm_and_activate_with_them(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("tokens, heads, head_dim", [(128, 12, 64), (3, 6, 16), (5, 2, 40)])
+def test_rotary_equals_torchs_roll_multiply_and_add(tokens, heads, head_dim):
+    """In place on q|k as the model's view of its fused qkv (strided heads), whole vectors and
+    masked tails alike."""
+    gen = torch.Generator().manual_seed(head_dim)
+    qkv = (torch.randn(tokens, heads + 2, head_dim, generator=gen) * 4).bfloat16()
+    qk = qkv[:, :heads]  # (T, heads, hd), rows strided past v
+    inv_freq = inverse_frequencies({"rope_theta": 10000.0, "rope_type": "default"}, head_dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    cos, sin = rotary_cos_sin(inv_freq, positions, torch.bfloat16)
+    want = qkv.clone()
+    apply_rotary(want[:, :heads], cos, sin, out=want[:, :heads])
+    torch.ops.nanoserve.rotary_(qk, cos, sin)
+    assert torch.equal(qkv, want)  # v untouched too
+
+
+def test_rotary_refuses_what_it_cannot_compute():
+    cos = sin = torch.ones(2, 1, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be \\(T, heads, hd\\) bfloat16"):
+        torch.ops.nanoserve.rotary_(torch.randn(2, 3, 8), cos, sin)
+    with pytest.raises(RuntimeError, match="hd contiguous and even"):
+        torch.ops.nanoserve.rotary_(torch.randn(2, 3, 7).bfloat16(), cos, sin)
+    with pytest.raises(RuntimeError, match="cos and sin must be \\(2, 1, 8\\) bfloat16"):
+        torch.ops.nanoserve.rotary_(torch.randn(2, 3, 8).bfloat16(), cos[:, :, :4], sin)
+
+
+def test_eager_bfloat16_steps_norm_rotate_and_activate_with_them(tiny_dir, monkeypatch):
     """The worker turns them on for bfloat16 and they run in its eager steps; its tokens equal
     torch's operators' and its logits stay within bfloat16's reach."""
     from driver import Driver, Request
 
-    from worker.model import MLP, RMSNorm
+    from worker.model import MLP, Attention, RMSNorm
 
-    calls = {"rms_norm": 0, "silu_mul": 0}
+    calls = {"rms_norm": 0, "silu_mul": 0, "rotary_": 0}
     for name in calls:
         real = getattr(torch.ops.nanoserve, name)
 
@@ -477,24 +504,25 @@ def test_eager_bfloat16_steps_norm_and_activate_with_them(tiny_dir, monkeypatch)
 
     def run(kernel: bool):
         worker = make_worker(tiny_dir, dtype="bfloat16", compile=False)
-        modules = [m for m in worker.model.modules() if isinstance(m, (RMSNorm, MLP))]
+        modules = [m for m in worker.model.modules() if isinstance(m, (RMSNorm, MLP, Attention))]
         assert modules and all(m.kernel for m in modules)
         for module in modules:
             module.kernel = kernel
         return Driver(worker, eos=[]).run([Request("r", list(range(3, 30)), 5)])
 
     with_kernels = run(True)
-    # 2 layers x 2 norms + the final norm, and 2 MLPs, in each of 5 steps
-    assert calls == {"rms_norm": 5 * 5, "silu_mul": 5 * 2}
+    # 2 layers x 2 norms + the final norm, and 2 MLPs and 2 attentions, in each of 5 steps
+    expected = {"rms_norm": 5 * 5, "silu_mul": 5 * 2, "rotary_": 5 * 2}
+    assert calls == expected
     without = run(False)
-    assert calls == {"rms_norm": 5 * 5, "silu_mul": 5 * 2}
+    assert calls == expected
     for a, b in zip(with_kernels, without, strict=True):
         assert a.output == b.output
         worst = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
         assert worst < 0.05, worst
     float32 = make_worker(tiny_dir, dtype="float32")
     Driver(float32, eos=[]).run([Request("r", list(range(3, 30)), 5)])
-    assert calls == {"rms_norm": 5 * 5, "silu_mul": 5 * 2}  # float32 steps keep torch's
+    assert calls == expected  # float32 steps keep torch's
 
 
 def test_pack_q4_refuses_scales_float16_cannot_hold():
