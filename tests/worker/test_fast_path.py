@@ -66,3 +66,27 @@ def test_scratch_reuses_memory_and_grows():
     c = cache.scratch("k", (10, 10))
     assert c.shape == (10, 10) and c.numel() == 100
     assert cache.scratch("v", (1,)).data_ptr() != c.data_ptr()
+
+
+def test_zero_blocks_zeroes_exactly_the_given_blocks_in_every_layer():
+    """Runs of adjacent ids, a lone id, repeats and the unsorted order a step lists them in."""
+    cache = KVCache(
+        num_layers=3,
+        num_blocks=12,
+        block_size=4,
+        n_kv_heads=2,
+        head_dim=2,
+        dtype=torch.bfloat16,
+        device="cpu",
+    )
+    cache.pool.fill_(float("nan"))
+    cache.zero_blocks([7, 3, 4, 5, 10, 4])
+    zeroed = [3, 4, 5, 7, 10]
+    blocks = cache.pool.permute(3, 0, 1, 2, 4, 5).flatten(1)  # (num_blocks + 1, everything else)
+    for block in range(13):
+        if block in zeroed:
+            assert torch.equal(blocks[block], torch.zeros_like(blocks[block])), block
+        else:
+            assert blocks[block].isnan().all(), block
+    cache.zero_blocks([])  # a step that takes no new block
+    assert blocks.isnan().sum() == 8 * blocks.shape[1]

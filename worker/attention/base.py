@@ -78,6 +78,9 @@ class AttentionBackend(ABC):
         layer.index_copy_(2, meta.write_index, kv.permute(1, 2, 0, 3))
         if not meta.prefills:
             return self.decode(q, kv, layer, meta.decodes, scratch)
+        lone = meta.prefills[0]
+        if len(meta.prefills) == 1 and (lone.begin, lone.end) == (0, q.shape[0]):
+            return self.prefill(q, kv, layer, lone)  # one prompt fills the step: no copy
         out = torch.zeros_like(q)  # zeros, not empty: padding rows must stay finite
         if meta.decode_tokens.numel():
             tokens, targets = meta.decode_tokens, meta.decode_targets
