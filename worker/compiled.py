@@ -42,6 +42,7 @@ class CompiledDecode:
 
     def __init__(self, model: LlamaModel, cache: KVCache, attention: AttentionBackend) -> None:
         _allow_packed_linears()
+        _serial_small_kernels()
         self.model, self.cache, self.attention = model, cache, attention
         self.steps = 0  # steps run compiled, warm-up included
         self.warm_up_s = 0.0  # how long ``warm_up`` took: compiling, or reading inductor's cache
@@ -180,3 +181,38 @@ def _allow_packed_linears() -> None:
     lowering.lowerings.pop(op, None)
     lowering.make_fallback(op)
     _PACKED_LINEARS_ALLOWED = True
+
+
+# Fewer elements than this in a loop of fixed size: one thread runs it (the same rule as our own
+# kernels' kSerialElements in csrc/).
+SERIAL_ELEMENTS = 32768
+_SMALL_KERNELS_SERIAL = False
+
+
+def _serial_small_kernels() -> None:
+    """Let inductor's fused loops of a fixed small size run on one thread. With
+    ``cpp.dynamic_threads`` inductor gives every loop an OpenMP parallel region, whatever its
+    size (it leaves serial or parallel to the runtime, which always forks). A batch-1 step has
+    about 250 of them over a few hundred elements each (one row's norm, rotary, SwiGLU), each
+    a fork and a join of the threads. Loops whose size depends on the batch (the graph of 2 and
+    more rows) keep their region. Process-wide, once: it changes where loops run, never what
+    they compute."""
+    global _SMALL_KERNELS_SERIAL
+    if _SMALL_KERNELS_SERIAL:
+        return
+    from torch._inductor.codegen import cpp
+
+    chosen_by_inductor = cpp.CppKernel.decide_parallel_depth
+
+    def decide_parallel_depth(self, max_parallel_depth, threads):
+        depth = chosen_by_inductor(self, max_parallel_depth, threads)
+        start = max_parallel_depth.start_depth
+        ranges = self.call_ranges[start : start + max_parallel_depth.parallel_depth]
+        fixed = all(not getattr(size, "free_symbols", None) for size in ranges)
+        if depth.parallel_depth and fixed and self.size_hint() < SERIAL_ELEMENTS:
+            return cpp.ParallelDepth(parallel_depth=0, start_depth=start)
+        return depth
+
+    decide_parallel_depth.__wrapped__ = chosen_by_inductor
+    cpp.CppKernel.decide_parallel_depth = decide_parallel_depth
+    _SMALL_KERNELS_SERIAL = True
