@@ -50,16 +50,20 @@ def test_packed_linear_matches_f_linear(dtype):
     assert (got - want).abs().max().item() < tol
 
 
-def test_scratch_reuses_memory_and_grows():
-    cache = KVCache(
-        num_layers=1,
-        num_blocks=2,
+def small_cache(num_layers: int, num_blocks: int, n_kv_heads: int, dtype) -> KVCache:
+    return KVCache(
+        num_layers=num_layers,
+        num_blocks=num_blocks,
         block_size=4,
-        n_kv_heads=1,
+        n_kv_heads=n_kv_heads,
         head_dim=2,
-        dtype=torch.float32,
+        dtype=dtype,
         device="cpu",
     )
+
+
+def test_scratch_reuses_memory_and_grows():
+    cache = small_cache(num_layers=1, num_blocks=2, n_kv_heads=1, dtype=torch.float32)
     a = cache.scratch("k", (3, 4))
     b = cache.scratch("k", (2, 5))
     assert a.data_ptr() == b.data_ptr() and b.shape == (2, 5)
@@ -70,15 +74,7 @@ def test_scratch_reuses_memory_and_grows():
 
 def test_zero_blocks_zeroes_exactly_the_given_blocks_in_every_layer():
     """Runs of adjacent ids, a lone id, repeats and the unsorted order a step lists them in."""
-    cache = KVCache(
-        num_layers=3,
-        num_blocks=12,
-        block_size=4,
-        n_kv_heads=2,
-        head_dim=2,
-        dtype=torch.bfloat16,
-        device="cpu",
-    )
+    cache = small_cache(num_layers=3, num_blocks=12, n_kv_heads=2, dtype=torch.bfloat16)
     cache.pool.fill_(float("nan"))
     cache.zero_blocks([7, 3, 4, 5, 10, 4])
     zeroed = [3, 4, 5, 7, 10]
