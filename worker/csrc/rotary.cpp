@@ -21,20 +21,11 @@
 
 namespace {
 
+using nanoserve_simd::load_bf16;
 using nanoserve_simd::round_bf16;
+using nanoserve_simd::round_to_bf16;
 
 constexpr int64_t kSerialElements = 32768;  // below this, one thread (waking another costs more)
-
-// v rounded to bfloat16 and widened back to float (exact).
-inline __m512 rounded(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16(v)), 16));
-}
-
-// The lanes of ``mask`` of 16 bfloat16 at p, as floats (the others 0).
-inline __m512 load(const c10::BFloat16* p, __mmask16 mask) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 // One head's row of hd values, in place: both halves are read before either is written.
 void rotate_row(c10::BFloat16* x, const c10::BFloat16* cos, const c10::BFloat16* sin,
@@ -42,11 +33,12 @@ void rotate_row(c10::BFloat16* x, const c10::BFloat16* cos, const c10::BFloat16*
   const int64_t half = hd / 2;
   for (int64_t k = 0; k < half; k += 16) {
     const __mmask16 m = half - k >= 16 ? 0xFFFF : (1u << (half - k)) - 1;
-    const __m512 lo = load(x + k, m), hi = load(x + half + k, m);
-    const __m512 new_lo = _mm512_add_ps(rounded(_mm512_mul_ps(lo, load(cos + k, m))),
-                                        rounded(_mm512_mul_ps(hi, load(sin + k, m))));
-    const __m512 new_hi = _mm512_add_ps(rounded(_mm512_mul_ps(hi, load(cos + half + k, m))),
-                                        rounded(_mm512_mul_ps(lo, load(sin + half + k, m))));
+    const __m512 lo = load_bf16(x + k, m), hi = load_bf16(x + half + k, m);
+    const __m512 lo_cos = round_to_bf16(_mm512_mul_ps(lo, load_bf16(cos + k, m)));
+    const __m512 hi_sin = round_to_bf16(_mm512_mul_ps(hi, load_bf16(sin + k, m)));
+    const __m512 hi_cos = round_to_bf16(_mm512_mul_ps(hi, load_bf16(cos + half + k, m)));
+    const __m512 lo_sin = round_to_bf16(_mm512_mul_ps(lo, load_bf16(sin + half + k, m)));
+    const __m512 new_lo = _mm512_add_ps(lo_cos, hi_sin), new_hi = _mm512_add_ps(hi_cos, lo_sin);
     _mm256_mask_storeu_epi16(x + k, m, round_bf16(new_lo));
     _mm256_mask_storeu_epi16(x + half + k, m, round_bf16(new_hi));
   }

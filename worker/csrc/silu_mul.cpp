@@ -48,9 +48,7 @@ void silu_mul_row(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloa
     __m512 top = _mm512_mask_mul_ps(g, negative, g, e);
     __m512 s = _mm512_div_ps(top, _mm512_add_ps(one, e));
     // torch rounds silu's output to bfloat16 before the multiply: so does this.
-    __m512i s16 = _mm512_cvtepu16_epi32(round_bf16(s));
-    __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(s16, 16));
-    __m512 y = _mm512_mul_ps(rounded, load_bf16(up + k));
+    __m512 y = _mm512_mul_ps(nanoserve_simd::round_to_bf16(s), load_bf16(up + k));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), round_bf16(y));
   }
   for (; k < I; ++k) {

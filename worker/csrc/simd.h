@@ -8,10 +8,19 @@
 
 namespace nanoserve_simd {
 
-// 16 bfloat16 -> 16 floats (exact: a bfloat16 is a float's high half).
-inline __m512 load_bf16(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+// 16 bfloat16 bit patterns -> 16 floats (exact: a bfloat16 is a float's high half).
+inline __m512 widen_bf16(__m256i raw) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// 16 bfloat16 -> 16 floats.
+inline __m512 load_bf16(const c10::BFloat16* p) {
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The lanes of ``mask`` of 16 bfloat16 at p, as floats; the others 0 (nothing read there).
+inline __m512 load_bf16(const c10::BFloat16* p, __mmask16 mask) {
+  return widen_bf16(_mm256_maskz_loadu_epi16(mask, p));
 }
 
 // 16 floats -> 16 bfloat16, rounded to nearest even as c10::BFloat16 rounds; a NaN stays NaN.
@@ -23,6 +32,9 @@ inline __m256i round_bf16(__m512 v) {
   rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x00400000));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
+
+// v rounded to bfloat16 and back to floats: where eager torch rounds an intermediate result.
+inline __m512 round_to_bf16(__m512 v) { return widen_bf16(round_bf16(v)); }
 
 // exp(x) for x <= 0 (softmax after the max is subtracted): Cephes' range reduction and degree-5
 // polynomial, relative error about 2e-7; anything below -87.3 gives exp(-87.3), about 1e-38.
