@@ -5,9 +5,10 @@
 // 3 KV heads): 5.2 ms a layer for a 512-token prompt, 30% of the prefill. Here the span's keys
 // are first repacked per KV head into pairs of dimensions, 16 positions to a 512-bit vector, so
 // that one vdpbf16ps per pair of dimensions scores 16 positions at once with no horizontal sum;
-// the values are widened to float32 once. Then every query streams over the positions it may see
-// with an online softmax (running max and sum, as flash attention), in float32, each KV head's G
-// query heads sharing every load.
+// the values are widened to float32 once. Then every query passes twice over the positions it
+// may see, in float32, each KV head's G query heads sharing every load: the scores and their
+// maximum, then the weights and the weighted values (an online softmax, as flash attention,
+// rescaled its sums at every tile; two passes ran 1.35x faster here).
 //
 // Shapes: q (n, nq, hd) the span's queries (a strided view of the qkv matmul's output; its last
 // dimension contiguous), layer (2, n_kv, S, hd) one layer of the pool with the span's own K/V
@@ -25,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <vector>
 
 namespace {
 
@@ -45,26 +47,29 @@ struct Span {
   int64_t nq, n_kv, tiles, start;
 };
 
-// Query i's G heads of KV head `head`, head_dim = 16 * C.
+// Query i's G heads of KV head `head`, head_dim = 16 * C. `scores` holds G * 16 * tiles floats.
+// Two passes over the positions it sees: the scores (kept) and their maximum, then the
+// weights and the weighted values. An online softmax would rescale the sums at every tile,
+// with a horizontal max, a horizontal sum and an exp on one lane per head per tile: the sums
+// here are vector lanes, reduced once.
 template <int G, int C>
-void attend(const Span& s, int64_t i, int64_t head) {
+void attend(const Span& s, int64_t i, int64_t head, float* scores) {
   constexpr int P = 8 * C;  // dimension pairs
   const int64_t last = s.start + i;  // the last position this query sees
-  const float scale = 1.f / std::sqrt(static_cast<float>(16 * C));
+  const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(static_cast<float>(16 * C)));
   // The queries as pairs of bfloat16, each broadcast by vdpbf16ps's memory operand.
   uint32_t q[G][P];
   for (int g = 0; g < G; ++g)
     std::memcpy(q[g], s.q + i * s.q_row + (head * G + g) * s.q_head, sizeof(q[g]));
   const uint32_t* keys = s.keys + head * s.tiles * P * kTile;
   const float* values = s.values + head * s.tiles * kTile * 16 * C;
-  __m512 o[G][C];
-  float top[G], total[G];
-  for (int g = 0; g < G; ++g) {
-    top[g] = -INFINITY;
-    total[g] = 0.f;
-    for (int c = 0; c < C; ++c) o[g][c] = _mm512_setzero_ps();
-  }
   const int64_t tiles = last / kTile + 1;
+  // Positions past this query's own in its last tile (the causal mask; also the tile's
+  // padding) weigh nothing.
+  const __mmask16 live =
+      static_cast<__mmask16>((1u << (last - (tiles - 1) * kTile + 1)) - 1u);
+  __m512 high[G];
+  for (int g = 0; g < G; ++g) high[g] = _mm512_set1_ps(-INFINITY);
   for (int64_t j = 0; j < tiles; ++j) {
     const uint32_t* k = keys + j * P * kTile;
     // Four partial sums per head: one chain of P dependent vdpbf16ps would wait on each
@@ -81,42 +86,44 @@ void attend(const Span& s, int64_t i, int64_t head) {
           part[g][a] = _mm512_dpbf16_ps(part[g][a], (__m512bh)_mm512_set1_epi32(q[g][p + a]), kp);
       }
     }
-    __m512 score[G];
-    for (int g = 0; g < G; ++g)
-      score[g] = _mm512_add_ps(_mm512_add_ps(part[g][0], part[g][1]),
-                               _mm512_add_ps(part[g][2], part[g][3]));
-    // Positions past this query's own (the causal mask; also the tile's padding) weigh nothing.
-    const int64_t seen = std::min<int64_t>(kTile, last - j * kTile + 1);
-    const __mmask16 live = static_cast<__mmask16>((1u << seen) - 1u);
-    __m512 weight[G];
     for (int g = 0; g < G; ++g) {
-      const __m512 sc = _mm512_mul_ps(score[g], _mm512_set1_ps(scale));
-      const float high = std::max(top[g], _mm512_mask_reduce_max_ps(live, sc));
-      // About 0 on the first tile (top = -inf; exp_neg stops at 1e-38), where o and total are 0.
-      const float shrink = _mm512_cvtss_f32(exp_neg(_mm512_set1_ps(top[g] - high)));
-      // Unseen positions weigh exactly 0, so nothing they hold reaches the sums.
-      weight[g] = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(sc, _mm512_set1_ps(high))));
-      total[g] = total[g] * shrink + _mm512_reduce_add_ps(weight[g]);
-      top[g] = high;
-      const __m512 by = _mm512_set1_ps(shrink);
-      for (int c = 0; c < C; ++c) o[g][c] = _mm512_mul_ps(o[g][c], by);
+      __m512 sc = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(part[g][0], part[g][1]),
+                                              _mm512_add_ps(part[g][2], part[g][3])),
+                                scale);
+      if (j == tiles - 1) sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, sc);
+      high[g] = _mm512_max_ps(high[g], sc);
+      _mm512_storeu_ps(scores + (g * tiles + j) * kTile, sc);
     }
-    // Weighted values: lane t of weight[g] broadcast by a permute (no trip through memory).
+  }
+  __m512 o[G][C], total[G];
+  for (int g = 0; g < G; ++g) {
+    high[g] = _mm512_set1_ps(_mm512_reduce_max_ps(high[g]));
+    total[g] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) o[g][c] = _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < tiles; ++j) {
+    // The tile's weights, back in `scores`: each FMA below broadcasts one from memory.
+    float* weight[G];
+    for (int g = 0; g < G; ++g) {
+      weight[g] = scores + (g * tiles + j) * kTile;
+      __m512 w = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(weight[g]), high[g]));
+      if (j == tiles - 1) w = _mm512_maskz_mov_ps(live, w);  // exactly 0, whatever V holds
+      total[g] = _mm512_add_ps(total[g], w);
+      _mm512_storeu_ps(weight[g], w);
+    }
     const float* v = values + j * kTile * 16 * C;
 #pragma GCC unroll 16
     for (int t = 0; t < kTile; ++t) {
-      const __m512i lane = _mm512_set1_epi32(t);
-      __m512 w[G];
-      for (int g = 0; g < G; ++g) w[g] = _mm512_permutexvar_ps(lane, weight[g]);
       for (int c = 0; c < C; ++c) {
         const __m512 val = _mm512_loadu_ps(v + t * 16 * C + c * 16);
-        for (int g = 0; g < G; ++g) o[g][c] = _mm512_fmadd_ps(w[g], val, o[g][c]);
+        for (int g = 0; g < G; ++g)
+          o[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(weight[g][t]), val, o[g][c]);
       }
     }
   }
   for (int g = 0; g < G; ++g) {
     c10::BFloat16* dst = s.out + (i * s.nq + head * G + g) * (16 * C);
-    const __m512 inv = _mm512_set1_ps(1.f / total[g]);
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total[g]));
     alignas(64) float buffer[16];
     for (int c = 0; c < C; ++c) {
       _mm512_store_ps(buffer, _mm512_mul_ps(o[g][c], inv));
@@ -125,7 +132,7 @@ void attend(const Span& s, int64_t i, int64_t head) {
   }
 }
 
-using AttendFn = void (*)(const Span&, int64_t, int64_t);
+using AttendFn = void (*)(const Span&, int64_t, int64_t, float*);
 
 template <int C>
 AttendFn pick_group(int64_t group) {
@@ -235,11 +242,13 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& layer,
   // Query i costs about start + i positions: task k takes queries k and n - 1 - k, so every
   // task (and each thread's even share of them) costs the same.
   const int64_t halves = (n + 1) / 2;
+  const int64_t group = nq / n_kv;
   auto run = [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * tiles * kTile);  // one query's, reused by the next
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task % n_kv, k = task / n_kv;
-      fn(s, k, h);
-      if (n - 1 - k != k) fn(s, n - 1 - k, h);
+      fn(s, k, h, scores.data());
+      if (n - 1 - k != k) fn(s, n - 1 - k, h, scores.data());
     }
   };
   split(n_kv * halves, run);
