@@ -193,11 +193,12 @@ def _prefill_reference(q, layer, blocks, start):
     ids=["smollm2", "qwen2", "mqa", "mha", "group8"],
 )
 @pytest.mark.parametrize(
-    "start, n", [(0, 1), (0, 16), (0, 37), (15, 2), (16, 16), (100, 33), (5, 200)]
+    "start, n", [(0, 1), (0, 16), (0, 37), (15, 2), (16, 16), (100, 33), (5, 200), (700, 20)]
 )
 def test_prefill_attention_equals_float64_causal_attention(n_kv, nq, hd, start, n):
     """Fresh spans and spans after a cached prefix, within, at and across block and 16-position
-    tile edges, odd and even lengths (the work is split in pairs of queries)."""
+    tile edges, odd and even lengths (the work is split in pairs of queries), and a long cached
+    prefix (45 tiles of scores held per query between the kernel's two passes)."""
     q, layer, blocks = _prefill_case(n_kv, nq, hd, start, n, seed=start + n + hd)
     assert q.stride(0) == (nq + 2 * n_kv) * hd  # a view of the qkv output
     got = torch.ops.nanoserve.prefill_attention(q, layer, blocks, start, BLOCK)
