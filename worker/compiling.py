@@ -35,8 +35,9 @@ from worker.config import WorkerConfig
 
 log = logging.getLogger("nanoserve.worker")
 
-# The modules whose code the compiled graph traces: a change to any invalidates the cache.
-_TRACED = ("compiled.py", "model.py", "linear.py", "rope.py", "attention/base.py")
+# The modules whose code the compiled graph traces, and cpu_weights.py, which decides what its
+# linears call: a change to any invalidates the cache.
+_TRACED = ("compiled.py", "model.py", "linear.py", "cpu_weights.py", "rope.py", "attention/base.py")
 _MARKER = "compiled.ok"
 
 

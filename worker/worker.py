@@ -27,6 +27,7 @@ from worker import kernels, tp_steps
 from worker.attention import select_backend
 from worker.compiling import BackgroundCompile, start_compile, wants_compile
 from worker.config import WorkerConfig, resolve_max_model_len
+from worker.cpu_weights import attach_q4, pack_for_cpu
 from worker.grammar import grammar_masks
 from worker.kv_cache import KVCache
 from worker.machine import bound_onednn_cache, default_kv_budget, usable_cpus
@@ -106,7 +107,7 @@ class Worker:
             self.model = LlamaModel(self.spec, self.shard, self.group)
         self.model.load_weights(checkpoint.weights)
         self.model = self.model.to(self.device).eval()
-        if self.config.generic_path or not self.model.pack_for_cpu():
+        if self.config.generic_path or not pack_for_cpu(self.model):
             return
         if self.dtype == torch.bfloat16 and self.config.q4_max_tokens and self.group.size == 1:
             self._attach_q4(checkpoint.config.model_type)
@@ -138,7 +139,9 @@ class Worker:
         if self.files.gguf_file is None:
             return
         tensors = load_q4(self.files, model_type, self.spec.n_heads, self.spec.n_kv_heads)
-        self.q4_linears = self.model.attach_q4(tensors, self.config.q4_max_tokens, self.config.w4a8)
+        self.q4_linears = attach_q4(
+            self.model, tensors, self.config.q4_max_tokens, self.config.w4a8
+        )
 
     @property
     def decode_path(self) -> str:

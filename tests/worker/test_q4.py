@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from conftest import make_worker
 
 from worker import kernels
+from worker.cpu_weights import attach_q4
 from worker.gguf_reader import (
     Q4Tensor,
     _q4_blocks,
@@ -224,7 +225,7 @@ def test_layers_take_only_4bit_matrices_and_the_lm_head_takes_8bit_for_one_row(t
         "model.layers.0.mlp.down_proj.weight": _random_q4(64, 128, seed=10),
         "lm_head.weight": _q8_blocks(_q8_rows(256, 64, seed=11)),
     }
-    assert worker.model.attach_q4(tensors, max_tokens=8) == 2
+    assert attach_q4(worker.model, tensors, max_tokens=8) == 2
     layer = worker.model.model.layers[0]
     assert layer.self_attn.o_proj.q4 is None  # 8-bit: left to bfloat16 in the layers
     assert layer.mlp.down_proj.q4 is not None and layer.mlp.down_proj.q4_max_tokens == 8
@@ -245,7 +246,7 @@ def test_the_floor_counts_the_weight_form_each_batch_size_reads(tiny_dir):
         "model.layers.0.mlp.down_proj.weight": down,
         "lm_head.weight": _q8_blocks(_q8_rows(256, 64, seed=11)),
     }
-    assert worker.model.attach_q4(tensors, max_tokens=8) == 2
+    assert attach_q4(worker.model, tensors, max_tokens=8) == 2
     spec, model = worker.model.spec, worker.model
     d, inter, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
     per_layer = d * (spec.n_heads + 2 * spec.n_kv_heads) * hd + spec.n_heads * hd * d
