@@ -86,7 +86,9 @@ class RMSNorm(nn.Module):
     With ``kernel`` set (the worker sets it where ``worker.kernels`` runs), eager bfloat16 steps
     take ``torch.ops.nanoserve.rms_norm``: the same formula in one pass, where eager torch runs
     six operators. Compiled graphs keep ``F.rms_norm``, which inductor fuses with its
-    neighbours."""
+    neighbours. Dynamo's own flag tells them apart: torch sets ``is_compiling()`` process-wide for
+    a whole compile session, so while a background thread loads the graphs, the stepping
+    thread's eager steps would read it too and leave the kernels."""
 
     kernel = False
 
@@ -100,7 +102,7 @@ class RMSNorm(nn.Module):
             self.kernel
             and x.dtype == torch.bfloat16 == self.weight.dtype
             and x.dim() == 2
-            and not torch.compiler.is_compiling()
+            and not torch.compiler.is_dynamo_compiling()
         ):
             return torch.ops.nanoserve.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -147,7 +149,7 @@ class Attention(nn.Module):
             qkv[:, :nq] = self.q_norm(qkv[:, :nq])
             qkv[:, nq : nq + nkv] = self.k_norm(qkv[:, nq : nq + nkv])
         # Rotated in place, so k and v stay side by side in qkv: one cache write for both.
-        if self.kernel and qk.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+        if self.kernel and qk.dtype == torch.bfloat16 and not torch.compiler.is_dynamo_compiling():
             torch.ops.nanoserve.rotary_(qk, cos, sin)
         else:
             apply_rotary(qk, cos, sin, out=qk)
@@ -181,7 +183,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 * local intermediate)
-        if self.kernel and gate_up.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+        if (
+            self.kernel
+            and gate_up.dtype == torch.bfloat16
+            and not torch.compiler.is_dynamo_compiling()
+        ):
             return self.group.all_reduce(self.down_proj(torch.ops.nanoserve.silu_mul(gate_up)))
         gate, up = gate_up.chunk(2, dim=-1)  # (T, local intermediate) each
         return self.group.all_reduce(self.down_proj(F.silu(gate, inplace=True).mul_(up)))

@@ -486,13 +486,8 @@ def test_rotary_refuses_what_it_cannot_compute():
         torch.ops.nanoserve.rotary_(torch.randn(2, 3, 8).bfloat16(), cos[:, :, :4], sin)
 
 
-def test_eager_bfloat16_steps_norm_rotate_and_activate_with_them(tiny_dir, monkeypatch):
-    """The worker turns them on for bfloat16 and they run in its eager steps; its tokens equal
-    torch's operators' and its logits stay within bfloat16's reach."""
-    from driver import Driver, Request
-
-    from worker.model import MLP, Attention, RMSNorm
-
+def _count_layer_kernels(monkeypatch) -> dict[str, int]:
+    """Calls of the layers' eager kernels from now on, by name."""
     calls = {"rms_norm": 0, "silu_mul": 0, "rotary_": 0}
     for name in calls:
         real = getattr(torch.ops.nanoserve, name)
@@ -502,6 +497,17 @@ def test_eager_bfloat16_steps_norm_rotate_and_activate_with_them(tiny_dir, monke
             return _real(*args)
 
         monkeypatch.setattr(torch.ops.nanoserve, name, counting)
+    return calls
+
+
+def test_eager_bfloat16_steps_norm_rotate_and_activate_with_them(tiny_dir, monkeypatch):
+    """The worker turns them on for bfloat16 and they run in its eager steps; its tokens equal
+    torch's operators' and its logits stay within bfloat16's reach."""
+    from driver import Driver, Request
+
+    from worker.model import MLP, Attention, RMSNorm
+
+    calls = _count_layer_kernels(monkeypatch)
 
     def run(kernel: bool):
         worker = make_worker(tiny_dir, dtype="bfloat16", compile=False)
@@ -524,6 +530,20 @@ def test_eager_bfloat16_steps_norm_rotate_and_activate_with_them(tiny_dir, monke
     float32 = make_worker(tiny_dir, dtype="float32")
     Driver(float32, eos=[]).run([Request("r", list(range(3, 30)), 5)])
     assert calls == expected  # float32 steps keep torch's
+
+
+def test_eager_steps_keep_the_kernels_while_another_thread_compiles(tiny_dir, monkeypatch):
+    """torch sets ``torch.compiler.is_compiling()`` for a whole compile session, process-wide:
+    while the background thread loads the compiled graphs, the stepping thread's eager steps
+    must not read it as their own tracing and fall back to torch's operators."""
+    from driver import Driver, Request
+
+    worker = make_worker(tiny_dir, dtype="bfloat16", compile=False)
+    calls = _count_layer_kernels(monkeypatch)
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    assert torch.compiler.is_compiling()  # what the other thread's session makes everyone see
+    Driver(worker, eos=[]).run([Request("r", list(range(3, 30)), 5)])
+    assert calls == {"rms_norm": 5 * 5, "silu_mul": 5 * 2, "rotary_": 5 * 2}
 
 
 def test_pack_q4_refuses_scales_float16_cannot_hold():
