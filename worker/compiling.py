@@ -15,6 +15,7 @@ count and the source of the code that is traced.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import hashlib
@@ -39,6 +40,8 @@ log = logging.getLogger("nanoserve.worker")
 # linears call: a change to any invalidates the cache.
 _TRACED = ("compiled.py", "model.py", "linear.py", "cpu_weights.py", "rope.py", "attention/base.py")
 _MARKER = "compiled.ok"
+# The switch interval while a step runs beside the graphs' loading (see ``step_first``).
+STEP_SWITCH_INTERVAL = 50e-6
 
 
 def compile_dir(config: WorkerConfig, model_id: str, threads: int) -> Path:
@@ -74,6 +77,7 @@ class BackgroundCompile:
         self.result = None
         self.seconds = 0.0  # until ready (or failed), from start()
         self.cold = not (directory / _MARKER).exists()
+        self.loading = False  # this process traces the graphs now (holding the GIL)
         self._thread = threading.Thread(target=self._run, name="compile", daemon=True)
 
     def start(self) -> None:
@@ -93,6 +97,7 @@ class BackgroundCompile:
             from worker.compiled import CompiledDecode
 
             worker = self.worker
+            self.loading = True
             compiled = CompiledDecode(worker.model, worker.cache, worker.attention)
             compiled.warm_up()  # a cache hit: tracing and loading, not compiling
             self.result = compiled
@@ -101,6 +106,7 @@ class BackgroundCompile:
             self.error = f"{type(exc).__name__}: {exc}"
             self.state = "failed"
             log.error("compiled decode steps failed to build (%s); steps stay eager", self.error)
+        self.loading = False
         self.seconds = time.perf_counter() - self._began
 
     def _fill_cache(self) -> None:
@@ -128,6 +134,27 @@ class BackgroundCompile:
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr else "failed")
         mark_compiled(self.directory)
+
+
+@contextlib.contextmanager
+def step_first(job: BackgroundCompile | None):
+    """Run a step (the ``with`` body) ahead of the job's loading thread.
+
+    Loading the graphs is seconds of dynamo's tracing: pure Python, holding the GIL. A step
+    gives the GIL up around each of its operators' kernels and then waits for the loader to
+    give it back, which a holder does only when the switch interval (5 ms) runs out: some 400
+    such waits an eager step, and 16-token replies took up to 11 s while the graphs loaded.
+    During a step the interval is 50 µs, so each wait is short; between steps the loader runs
+    on the usual interval, at full speed."""
+    if job is None or not job.loading:
+        yield
+        return
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(STEP_SWITCH_INTERVAL)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 def torch_version() -> tuple[int, int]:

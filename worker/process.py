@@ -178,9 +178,12 @@ def _heartbeats(
 def _execute(worker, step: StepInput) -> StepResult:
     """Run one step. A step the worker refuses (a protocol violation) is logged and answered
     with an error, so the scheduler recovers instead of waiting forever."""
+    from worker.compiling import step_first  # loaded with the worker (torch) by now
+
     started = time.perf_counter()
     try:
-        result = worker.execute(step)
+        with step_first(worker.compile_job):
+            result = worker.execute(step)
     except ValueError as exc:
         log.error("step %d refused: %s", step.step_id, exc)
         worker.reset()  # the rows may be half-updated: drop them all, the scheduler recomputes

@@ -1,0 +1,54 @@
+"""Steps beside the graphs' loading (``worker.compiling``): the job says when its thread loads,
+and a step meanwhile runs on a short switch interval, so that it gets the GIL back from the
+loader's tracing at once rather than after 5 ms at each of its operators."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+import worker.compiled
+from worker.compiling import _MARKER, STEP_SWITCH_INTERVAL, BackgroundCompile, step_first
+
+
+class _Graphs:
+    """Stands in for ``CompiledDecode``: records whether the job said it was loading while its
+    graphs were traced."""
+
+    seen: list[bool] = []
+    job: BackgroundCompile | None = None
+
+    def __init__(self, model, cache, attention) -> None:
+        pass
+
+    def warm_up(self) -> None:
+        _Graphs.seen.append(_Graphs.job.loading)
+
+
+def test_the_job_is_loading_exactly_while_its_thread_traces_the_graphs(tmp_path, monkeypatch):
+    (tmp_path / _MARKER).write_text("0\n")  # a filled cache: load only, no child
+    monkeypatch.setattr(worker.compiled, "CompiledDecode", _Graphs)
+    host = types.SimpleNamespace(model=None, cache=None, attention=None)
+    job = BackgroundCompile(host, tmp_path)
+    _Graphs.job, _Graphs.seen = job, []
+    assert not job.cold and not job.loading
+    job.start()
+    assert job.wait(60), job.error
+    assert _Graphs.seen == [True]
+    assert not job.loading and isinstance(job.result, _Graphs)
+
+
+def test_a_step_beside_the_loading_runs_on_the_short_switch_interval():
+    usual = sys.getswitchinterval()
+    loading = types.SimpleNamespace(loading=True)
+    with step_first(loading):
+        assert sys.getswitchinterval() == pytest.approx(STEP_SWITCH_INTERVAL)
+    assert sys.getswitchinterval() == usual
+    with pytest.raises(ValueError, match="refused"), step_first(loading):
+        raise ValueError("step refused")
+    assert sys.getswitchinterval() == usual  # an error leaves the usual interval too
+    for job in (None, types.SimpleNamespace(loading=False)):
+        with step_first(job):
+            assert sys.getswitchinterval() == usual
