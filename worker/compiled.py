@@ -16,7 +16,9 @@ Compiling takes minutes per graph, and a step meets one of two (batch 1; 2 to ``
 4-bit linears choose their kernel by the rows at run time, in ``nanoserve::gguf_linear``, so
 the 4-bit limit does not split it), so the worker compiles both at start (``warm_up``).
 Inductor caches them on disk, so later starts only load them, and loading is mostly dynamo's
-tracing, some seconds a graph. Steps with prefills, and bigger decode batches, stay eager.
+tracing, some seconds a graph. Dynamo traces one decoder layer and reuses that trace for the
+others (``_decoder_layer``, a nested compile region), then flattens the graph again for
+inductor. Steps with prefills, and bigger decode batches, stay eager.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 
 import torch
 
-from worker.attention import AttentionBackend, AttentionMetadata
+from worker.attention import AttentionBackend, AttentionMetadata, DecodeRows
 from worker.kv_cache import KVCache
 from worker.model import LlamaModel
 from worker.rope import rotary_cos_sin
@@ -44,6 +46,7 @@ class CompiledDecode:
         _allow_packed_linears()
         _serial_small_kernels()
         self.model, self.cache, self.attention = model, cache, attention
+        self._decode = _Decode(attention)
         self.steps = 0  # steps run compiled, warm-up included
         self.warm_up_s = 0.0  # how long ``warm_up`` took: compiling, or reading inductor's cache
         # After the warm-up, a step no graph covers runs this same code eagerly rather than
@@ -91,7 +94,7 @@ class CompiledDecode:
         layers = self.cache.layers()  # (num_layers, 2, n_kv, S, hd)
         torch._dynamo.maybe_mark_dynamic(layers, 3)  # one graph whatever the pool's size
         with torch.compiler.set_stance(self.stance):
-            hidden, new_kv = self._graph(self.model, self.attention, layers, *args)
+            hidden, new_kv = self._graph(self.model, self._decode, layers, *args)
         # new_kv (num_layers, B, 2, n_kv, hd) -> (num_layers * 2, n_kv, B, hd), as the pool.
         num_layers, _, two, n_kv, hd = new_kv.shape
         columns = new_kv.permute(0, 2, 3, 1, 4).reshape(num_layers * two, n_kv, batch, hd)
@@ -105,9 +108,12 @@ class CompiledDecode:
         they do not, as on a CPU without AVX512-BF16, it falls on the other side of their
         limit and gets one of its own)."""
         began = time.perf_counter()
-        for batch in (1, 2, MAX_BATCH):
-            with torch.inference_mode():
-                self(*self.trash_step(batch))
+        # Flat graphs for inductor (the cpp wrapper cannot call a subgraph): the layers' reuse
+        # only saves dynamo's tracing, the graphs are those of a plain loop over the layers.
+        with torch._dynamo.config.patch(inline_invoke_subgraph=True):
+            for batch in (1, 2, MAX_BATCH):
+                with torch.inference_mode():
+                    self(*self.trash_step(batch))
         self.warm_up_s = time.perf_counter() - began
         self.stance = "eager_on_recompile"
 
@@ -130,24 +136,47 @@ class CompiledDecode:
         return ids, ids, meta
 
 
-def _decode_graph(model, attention, layers, input_ids, cos, sin, blocks, cached):
+def _decode_graph(model, decode, layers, input_ids, cos, sin, blocks, cached):
     """The traced step. input_ids (B,), cos/sin (B, 1, hd), blocks (B, M) the rows' padded block
     ids, cached (B,) how many positions each row has cached -> hidden (B, hidden) and the new
     K/V (num_layers, B, 2, n_kv, hd)."""
-    rows = attention.decode_rows(blocks, cached)
+    rows = decode.attention.decode_rows(blocks, cached)
+    x = model.model.embed_tokens(input_ids)  # (B, hidden)
+    new_kv = []
+    for index, layer in enumerate(model.model.layers):
+        x, kv = _decoder_layer(layer, decode, x, cos, sin, layers[index], *rows)
+        new_kv.append(kv)
+    return model.model.norm(x), torch.stack(new_kv)
+
+
+@torch.compiler.nested_compile_region
+def _decoder_layer(layer, decode, x, cos, sin, cache_layer, *rows):
+    """One layer of the traced step: x (B, hidden) -> (B, hidden), and its new K/V (B, 2, n_kv,
+    hd). Dynamo traces it once and reuses that trace for each later layer whose inputs match
+    (it checks; the weights are inputs, not part of the trace) instead of tracing every layer
+    again; the graph is flattened before inductor sees it (``warm_up``)."""
+    rows = DecodeRows(*rows)
     new_kv = []
 
-    def attend_over(layer: torch.Tensor):
-        def attend(q, kv):
-            new_kv.append(kv)
-            return attention.decode(q, kv, layer, rows)
+    def attend(q, kv):
+        new_kv.append(kv)
+        return decode(q, kv, cache_layer, rows)
 
-        return attend
+    x = layer(x, cos, sin, attend)
+    return x, new_kv[0]
 
-    x = model.model.embed_tokens(input_ids)  # (B, hidden)
-    attends = [attend_over(layers[index]) for index in range(layers.shape[0])]
-    hidden = model.run_layers(x, cos, sin, attends)
-    return hidden, torch.stack(new_kv)
+
+class _Decode(torch.nn.Module):
+    """The attention backend's decode as a module: dynamo reuses a traced layer only for inputs
+    that are tensors, constants or modules, and the backend is none of them."""
+
+    def __init__(self, attention: AttentionBackend) -> None:
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, q, kv, cache_layer, rows: DecodeRows) -> torch.Tensor:
+        """``AttentionBackend.decode`` without scratch buffers (traced)."""
+        return self.attention.decode(q, kv, cache_layer, rows)
 
 
 def _guards_to_keep(entries: list) -> list[bool]:

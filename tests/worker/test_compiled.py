@@ -194,6 +194,25 @@ def test_a_worker_started_on_a_filled_cache_only_loads_its_graphs(
     assert worker.compiled is not None and worker.compiled.steps > 3
 
 
+def test_loading_traces_one_decoder_layer_per_graph_and_reuses_it(built_beside, tiny_dir):
+    """Dynamo traces the first layer of each graph and stamps that trace out for the others
+    (``_decoder_layer``): a load traces 2 layers for the two graphs, not every layer twice."""
+    from torch._dynamo.utils import compilation_time_metrics as timed
+
+    from worker.worker import Worker
+
+    def count(event: str) -> int:
+        return len(timed.get(event, []))
+
+    traced, reused = count("invoke_subgraph_trace"), count("invoke_subgraph_reuse_stamp_out")
+    worker = Worker(_config(tiny_dir), progress=False, background_compile=True)
+    assert worker.compile_job.wait(600), worker.compile_job.error
+    layers = len(worker.model.model.layers)
+    assert layers > 1
+    assert count("invoke_subgraph_trace") - traced == 2
+    assert count("invoke_subgraph_reuse_stamp_out") - reused == 2 * (layers - 1)
+
+
 def _assert_only_loaded(tiny_dir) -> None:
     """The workers only loaded what the child built: a graph one had to compile again would
     have left inductor files newer than the marker."""
