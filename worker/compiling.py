@@ -36,9 +36,21 @@ from worker.config import WorkerConfig
 
 log = logging.getLogger("nanoserve.worker")
 
-# The modules whose code the compiled graph traces, and cpu_weights.py, which decides what its
-# linears call: a change to any invalidates the cache.
-_TRACED = ("compiled.py", "model.py", "linear.py", "cpu_weights.py", "rope.py", "attention/base.py")
+# The modules whose code the compiled graph traces (parallel.py: the one rank's all_reduce),
+# and cpu_weights.py, which decides what its linears call: a change to any invalidates the
+# cache. tests/worker/test_compiled.py checks that no traced worker file is missing.
+_TRACED = (
+    "compiled.py",
+    "model.py",
+    "linear.py",
+    "cpu_weights.py",
+    "rope.py",
+    "parallel.py",
+    "attention/base.py",
+    "attention/metadata.py",
+    "attention/torch_backend.py",
+    "attention/cpu_kernel.py",
+)
 _MARKER = "compiled.ok"
 # The switch interval while a step runs beside the graphs' loading (see ``step_first``).
 STEP_SWITCH_INTERVAL = 50e-6

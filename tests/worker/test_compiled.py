@@ -213,6 +213,38 @@ def test_loading_traces_one_decoder_layer_per_graph_and_reuses_it(built_beside, 
     assert count("invoke_subgraph_reuse_stamp_out") - reused == 2 * (layers - 1)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cache_key_hashes_every_worker_file_the_graph_traces(tiny_dir, dtype):
+    """The graphs' cache directory is keyed by the source of ``_TRACED``: a traced file left out
+    would let a changed step load stale graphs' keys and compile in the worker. Every worker
+    file that a node of the traced graph comes from is in it (float32 takes the torch backend,
+    bfloat16 the CPU kernels where they run)."""
+    import re
+
+    import worker.compiled as compiled
+    from worker.compiling import _TRACED
+
+    worker = make_worker(tiny_dir, dtype=dtype)
+    files: set[Path] = set()
+
+    def record(graph_module, example_inputs):
+        for module in graph_module.modules():  # subgraphs too, if any were left
+            if isinstance(module, torch.fx.GraphModule):
+                for node in module.graph.nodes:
+                    trace = node.meta.get("stack_trace") or ""
+                    files.update(Path(f) for f in re.findall(r'File "([^"]+)"', trace))
+        return graph_module.forward
+
+    step = compiled.CompiledDecode(worker.model, worker.cache, worker.attention)
+    step._graph = torch.compile(compiled._decode_graph, backend=record, fullgraph=True)
+    with torch.inference_mode(), torch._dynamo.config.patch(inline_invoke_subgraph=True):
+        step(*step.trash_step(2))
+    root = Path(compiled.__file__).parent
+    traced = {f.relative_to(root).as_posix() for f in files if f.is_relative_to(root)}
+    assert "model.py" in traced and "compiled.py" in traced
+    assert traced <= set(_TRACED), f"traced but not hashed: {sorted(traced - set(_TRACED))}"
+
+
 def _assert_only_loaded(tiny_dir) -> None:
     """The workers only loaded what the child built: a graph one had to compile again would
     have left inductor files newer than the marker."""
