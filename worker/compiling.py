@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -149,7 +150,7 @@ class BackgroundCompile:
 
 
 @contextlib.contextmanager
-def step_first(job: BackgroundCompile | None):
+def step_first(job: BackgroundCompile | None) -> Iterator[None]:
     """Run a step (the ``with`` body) ahead of the job's loading thread.
 
     Loading the graphs is seconds of dynamo's tracing: pure Python, holding the GIL. A step
