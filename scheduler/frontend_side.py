@@ -119,16 +119,20 @@ class FrontendSide:
     # -- news for the frontends ----------------------------------------------------------------
 
     def publish(self, news: WorkerNews | None) -> None:
-        """Pass on what happened on the worker's side: failures first, then outputs, then the
-        new SchedulerInfo."""
+        """Pass on what happened on the worker's side: the new SchedulerInfo first, then
+        failures, then outputs.
+
+        The info goes first so that a frontend knows why before any client sees its request
+        fail: a client that reads the error and then asks /health gets the same reason.
+        """
         if news is None:
             return
+        if news.changed:
+            self.tell_all()
         if news.fail_reason is not None:
             self._fail_all(news.fail_reason)
         if news.outputs:
             self._route(news.outputs)
-        if news.changed:
-            self.tell_all()
 
     def tell_all(self) -> None:
         """Send every frontend the current SchedulerInfo."""

@@ -41,7 +41,7 @@ class WorkerNews:
     """What the frontends must hear after a worker event."""
 
     outputs: list[RequestOutput] = field(default_factory=list)  # each to its request's owner
-    fail_reason: str | None = None  # fail every request first, with this reason
+    fail_reason: str | None = None  # fail every request, with this reason
     changed: bool = False  # a worker came or went: every frontend gets a new SchedulerInfo
 
 
