@@ -12,11 +12,13 @@ flags, the committed ``.env``, port 8000) and prints, for each start, the second
 /health answers, until the first chat reply, and until the worker's decode steps run compiled
 (read from /metrics, the compiled path engages without a restart); then the same load, and
 with ``--noisy-neighbour N`` the same load again beside N busy loops at nice 19
-(``scripts/noisy_neighbour.py``), llama-server likewise with ``--with-llamacpp``. Every server
-and every loop runs in a session of its own, as if each were started from its own terminal; the
-loops' sessions are at nice 19 too, since Linux's autogroup counts a nice value only inside its
-session. ``--equal-share`` adds, for the first start of each server, a run beside loops whose
-session is at nice 0: what a nice'd job from another terminal gets, one core of two.
+(``scripts/noisy_neighbour.py``), and with ``--with-llamacpp`` a start of llama-server right
+after each of nanoserve's, benched the same way (a run's pair shares the machine's phase). Every
+server and every loop runs in a session of its own, as if each were started from its own
+terminal; the loops' sessions are at nice 19 too, since Linux's autogroup counts a nice value
+only inside its session. ``--equal-share`` adds, for the first start of each server, a run
+beside loops whose session is at nice 0: what a nice'd job from another terminal gets, one core
+of two.
 
 Every server runs the same ``nanoserve bench serve`` load (128 prompt tokens, 128 output tokens
 with ignore_eos, greedy, streaming) at each ``--concurrency``, one server at a time. llama.cpp's
@@ -225,8 +227,16 @@ def bench_noisy(
 
 def readme_rows(args: argparse.Namespace, work: Path, logs: Path) -> tuple[list, list]:
     """``--runs`` starts of the README's server, each timed and benched (and again beside the
-    noisy neighbour), then llama-server the same way."""
+    noisy neighbour), each followed at once by a start of llama-server benched the same way.
+
+    A run's two servers go back to back because their bars compare them run by run, and this
+    machine's speed drifts by tens of percent over minutes (docs/performance.md): all of
+    nanoserve's starts and then all of llama-server's would compare phases, not servers.
+    """
     rows, starts = [], []
+    if args.with_llamacpp and args.llama_server is None:  # built before anything is timed
+        args.llama_server, built_s = build_llama_server(args.llama_cache)
+        print(f"built llama-server in {built_s:.0f} s", flush=True)
     for run in range(1, args.runs + 1):
         server = start_as_readme(logs / f"readme-{run}")
         try:
@@ -238,20 +248,27 @@ def readme_rows(args: argparse.Namespace, work: Path, logs: Path) -> tuple[list,
                     rows += bench_noisy("nanoserve", "README run 1", server, args, work, 0)
         finally:
             server.stop()
-    if args.with_llamacpp:
-        for run in range(1, args.runs + 1):
-            server = _llama_server(args, logs)
-            try:
-                rows += bench_all("llama.cpp", f"run {run}", server, args, work)
-                if args.noisy_neighbour and run == 1:  # once: it may collapse (--timeout)
-                    rows += bench_noisy("llama.cpp", f"run {run}", server, args, work)
-                    if args.equal_share:
-                        rows += bench_noisy("llama.cpp", "run 1", server, args, work, 0)
-            finally:
-                server.stop()
+        if args.with_llamacpp:
+            rows += llama_run(args, work, logs, run)
     if args.with_transformers:
         rows += transformers_rows(args)
     return starts, rows
+
+
+def llama_run(args: argparse.Namespace, work: Path, logs: Path, run: int) -> list[dict]:
+    """One start of llama-server, benched quiet (and, in the first run, beside the noisy
+    neighbour), then ended."""
+    rows = []
+    server = _llama_server(args, logs)
+    try:
+        rows += bench_all("llama.cpp", f"run {run}", server, args, work)
+        if args.noisy_neighbour and run == 1:  # once: it may collapse (--timeout)
+            rows += bench_noisy("llama.cpp", f"run {run}", server, args, work)
+            if args.equal_share:
+                rows += bench_noisy("llama.cpp", "run 1", server, args, work, 0)
+    finally:
+        server.stop()
+    return rows
 
 
 def readme_verdicts(rows: list[dict]) -> list[str]:

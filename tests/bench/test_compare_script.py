@@ -73,3 +73,43 @@ def test_wait_ready_raises_when_a_process_exits(tmp_path):
     finally:
         server.stop(timeout=5)
     assert server.processes[0].returncode == 3
+
+
+def test_each_readme_start_is_followed_by_its_llama_server_start(monkeypatch, tmp_path):
+    """The bars compare the servers run by run, so run N of llama-server must come right after
+    run N of nanoserve, not after all of nanoserve's runs (the machine's speed drifts)."""
+    events: list[str] = []
+
+    class Stub:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def stop(self) -> None:
+            events.append(f"stop {self.name}")
+
+    starts = iter(range(1, 10))
+    monkeypatch.setattr(compare, "start_as_readme", lambda log_dir: Stub(f"nano{next(starts)}"))
+    llamas = iter(range(1, 10))
+    monkeypatch.setattr(compare, "_llama_server", lambda args, logs: Stub(f"llama{next(llamas)}"))
+    monkeypatch.setattr(compare, "time_readme_start", lambda server, label, wait: {})
+
+    def bench_all(name, label, server, args, work, seed=0):
+        events.append(f"bench {server.name} {label}")
+        return [{"server": name, "dtype": label}]
+
+    monkeypatch.setattr(compare, "bench_all", bench_all)
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--as-readme", "--runs", "2"])
+    args = compare.parse_args()
+    args.with_llamacpp, args.llama_server = True, Path("/nonexistent/llama-server")
+    _, rows = compare.readme_rows(args, tmp_path, tmp_path)
+    assert events == [
+        "bench nano1 README run 1",
+        "stop nano1",
+        "bench llama1 run 1",
+        "stop llama1",
+        "bench nano2 README run 2",
+        "stop nano2",
+        "bench llama2 run 2",
+        "stop llama2",
+    ]
+    assert len(rows) == 4
