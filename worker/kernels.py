@@ -32,10 +32,11 @@ one pass (``csrc/rotary.cpp``), where torch takes a roll, two multiplies and an 
 ``torch.ops.nanoserve.argmax``: torch.argmax over float32 rows, vectorized (``csrc/argmax.cpp``);
 the sampler's greedy choices.
 
-The sources compile with ``torch.utils.cpp_extension`` into nanoserve's cache
-directory and load from there afterwards; a changed source, flag or torch version rebuilds
-them. On a CPU without AVX-512, or where the build fails, ``available()`` is False and callers
-keep their torch code.
+The sources compile with ``torch.utils.cpp_extension`` into nanoserve's cache directory, in a
+directory named by the torch version and a hash of the sources and flags, and load from there
+afterwards: a changed source, header, flag or torch version builds anew, and every checkout of
+the same sources shares one build. On a CPU without AVX-512, or where the build fails,
+``available()`` is False and callers keep their torch code.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -107,12 +109,10 @@ def uses_vnni() -> bool:
 
 
 def cflags() -> list[str]:
-    """The compiler's flags for this CPU, and the shared header's hash: cpp_extension rebuilds
-    when a listed source or a flag changes, and does not look at headers."""
-    header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+    """The compiler's flags for this CPU."""
     bf16 = ["-mavx512bf16"] if uses_bf16() else []
     vnni = ["-mavx512vnni"] if uses_vnni() else []
-    return _CFLAGS + _OPENMP + bf16 + vnni + [f"-DNANOSERVE_SIMD_H_{header}"]
+    return _CFLAGS + _OPENMP + bf16 + vnni
 
 
 @functools.cache
@@ -147,10 +147,16 @@ def _load() -> Path:
     from protocol.model_files import cache_root
 
     put_ninja_on_path()
-    # One directory per flag set: processes built both ways never overwrite each other's library.
+    # One directory per set of sources and flags, holding copies of the sources: ninja rebuilds
+    # when a source's path changes, not only its bytes, so building from each checkout's own
+    # csrc/ rebuilt at every start from another checkout. Resolved, because the tests reach the
+    # shared directory through a link from a cache directory of their own.
+    sources, flags = _sources(), cflags()
     flavour = "-bf16" if uses_bf16() else ""
-    build = cache_root() / "kernels" / f"torch-{torch.__version__}{flavour}"
-    build.mkdir(parents=True, exist_ok=True)
+    kernels = cache_root() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    build = kernels.resolve() / f"torch-{torch.__version__}{flavour}-{_digest(flags)}"
+    build.mkdir(exist_ok=True)
     # cpp_extension serializes builders with a ``lock`` file that a killed build leaves behind,
     # and every later process then waits on it forever. An flock is released by the kernel when
     # its holder dies: holding it, no other nanoserve process is building, so a ``lock`` found
@@ -160,10 +166,11 @@ def _load() -> Path:
         if (build / "lock").exists():
             log.warning("removed a kernel build's stale lock (a build was killed): %s", build)
             (build / "lock").unlink()
-        cpp_extension.load(  # rebuilt only when a source or a flag changes (it hashes them)
+        copies = _copy_sources(build / "src", [*sources, HEADER])
+        cpp_extension.load(
             name="nanoserve_kernels",
-            sources=[str(source) for source in _sources()],
-            extra_cflags=cflags(),
+            sources=[str(copy) for copy in copies[:-1]],  # the header is included, not listed
+            extra_cflags=flags,
             extra_ldflags=_OPENMP,
             build_directory=str(build),
             is_python_module=False,
@@ -176,6 +183,31 @@ def _load() -> Path:
 def _sources() -> list[Path]:
     bf16 = BF16_SOURCES if uses_bf16() else []
     return SOURCES + bf16 + (VNNI_SOURCES if uses_vnni() else [])
+
+
+def _digest(flags: list[str]) -> str:
+    """What a build depends on, hashed: each source's name and bytes, the header's, the flags."""
+    digest = hashlib.sha256()
+    for path in [*_sources(), HEADER]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update("\0".join(flags).encode())
+    return digest.hexdigest()[:16]
+
+
+def _copy_sources(directory: Path, paths: list[Path]) -> list[Path]:
+    """Copies of ``paths`` in ``directory``, each written once: a copy that exists has the same
+    bytes (the build directory is named by them) and keeps its time, so ninja sees nothing new.
+    Written whole and then renamed, so a killed process leaves no half file behind."""
+    directory.mkdir(exist_ok=True)
+    copies = []
+    for path in paths:
+        copy = directory / path.name
+        if not copy.exists():
+            partial = directory / f".{path.name}.partial"
+            shutil.copyfile(path, partial)
+            partial.replace(copy)
+        copies.append(copy)
+    return copies
 
 
 @functools.cache

@@ -677,7 +677,9 @@ def test_a_stale_build_lock_does_not_block_the_next_load(tmp_path):
     (under an flock no dead process can hold) instead of waiting on it forever."""
     import shutil
 
-    built = kernels._load()  # this process's build, copied so that nothing need compile
+    # This process's build, copied: the copy's sources have other paths, so it compiles again
+    # (half a minute), but in a cache of its own.
+    built = kernels._load()
     cache, build = tmp_path / "cache", tmp_path / "cache" / "kernels" / built.name
     shutil.copytree(built, build, ignore=shutil.ignore_patterns("*.flock"))
     (build / "lock").write_text("")  # what a SIGKILLed build leaves
@@ -686,8 +688,37 @@ def test_a_stale_build_lock_does_not_block_the_next_load(tmp_path):
         env={**os.environ, "NANOSERVE_CACHE_DIR": str(cache)},
         capture_output=True,
         text=True,
-        timeout=120,  # without the fix it waits on the lock forever
+        timeout=300,  # without the fix it waits on the lock forever
     )
     assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]
     assert "stale lock" in done.stderr
     assert not (build / "lock").exists()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the kernels built here")
+def test_another_checkout_loads_the_same_build_without_compiling(tmp_path):
+    """Ninja rebuilds when a source's path changes, not only its bytes: the build must not
+    depend on where the checkout is, or two checkouts taking turns compile again (half a
+    minute) at every start."""
+    import shutil
+
+    built = kernels._load()
+    library = built / "nanoserve_kernels.so"
+    before = library.stat().st_mtime_ns
+    checkout = tmp_path / "csrc"  # the same sources, elsewhere
+    shutil.copytree(kernels.HEADER.parent, checkout)
+    script = (
+        "from worker import kernels\n"
+        "from pathlib import Path\n"
+        f"csrc = Path({str(checkout)!r})\n"
+        "for name in ('SOURCES', 'BF16_SOURCES', 'VNNI_SOURCES'):\n"
+        "    setattr(kernels, name, [csrc / path.name for path in getattr(kernels, name)])\n"
+        "kernels.HEADER = csrc / kernels.HEADER.name\n"
+        "print(kernels._load())\n"
+    )
+    done = subprocess.run(  # the cache directory is this session's (the conftest's fixture)
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == str(built)
+    assert library.stat().st_mtime_ns == before, "the other checkout's sources were compiled"
