@@ -26,6 +26,7 @@ namespace {
 
 using nanoserve_simd::exp_neg;
 using nanoserve_simd::load_bf16;
+using nanoserve_simd::round_bf16;
 
 constexpr int64_t kSerialWork = 8192;  // (position, KV head) pairs below which one thread runs
 
@@ -221,13 +222,13 @@ void attend(const Views& v, int64_t row, int64_t head, std::vector<float>& scrat
         out[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[t * W + g]), val, out[g][c]);
     }
   });
+  // Rounded to nearest even as c10::BFloat16 rounds, 16 at a time: converting one value at a
+  // time took about 10% of the kernel (ad hoc: 30 layers at 32 rows x 200 positions, in
+  // cache, 74 -> 66-71 us a layer).
   for (int g = 0; g < G; ++g) {
     c10::BFloat16* dst = v.out + (row * v.nq + head * G + g) * (C * 16);
-    alignas(64) float buffer[16];
-    for (int c = 0; c < C; ++c) {
-      _mm512_store_ps(buffer, out[g][c]);
-      for (int i = 0; i < 16; ++i) dst[c * 16 + i] = c10::BFloat16(buffer[i]);  // nearest even
-    }
+    for (int c = 0; c < C; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 16), round_bf16(out[g][c]));
   }
 }
 
