@@ -32,6 +32,7 @@ namespace {
 
 using nanoserve_simd::exp_neg;
 using nanoserve_simd::load_bf16;
+using nanoserve_simd::round_bf16;
 
 constexpr int64_t kTile = 16;  // positions per repacked key vector
 constexpr int64_t kSerialTiles = 512;  // (query, KV head, tile) triples below which one thread
@@ -124,11 +125,9 @@ void attend(const Span& s, int64_t i, int64_t head, float* scores) {
   for (int g = 0; g < G; ++g) {
     c10::BFloat16* dst = s.out + (i * s.nq + head * G + g) * (16 * C);
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total[g]));
-    alignas(64) float buffer[16];
-    for (int c = 0; c < C; ++c) {
-      _mm512_store_ps(buffer, _mm512_mul_ps(o[g][c], inv));
-      for (int x = 0; x < 16; ++x) dst[c * 16 + x] = c10::BFloat16(buffer[x]);  // nearest even
-    }
+    for (int c = 0; c < C; ++c)  // nearest even, as c10::BFloat16 rounds, 16 at a time
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 16),
+                          round_bf16(_mm512_mul_ps(o[g][c], inv)));
   }
 }
 
