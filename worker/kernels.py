@@ -155,7 +155,8 @@ def _load() -> Path:
     flavour = "-bf16" if uses_bf16() else ""
     kernels = cache_root() / "kernels"
     kernels.mkdir(parents=True, exist_ok=True)
-    build = kernels.resolve() / f"torch-{torch.__version__}{flavour}-{_digest(flags)}"
+    digest = _digest([*sources, HEADER], flags)
+    build = kernels.resolve() / f"torch-{torch.__version__}{flavour}-{digest}"
     build.mkdir(exist_ok=True)
     # cpp_extension serializes builders with a ``lock`` file that a killed build leaves behind,
     # and every later process then waits on it forever. An flock is released by the kernel when
@@ -166,10 +167,11 @@ def _load() -> Path:
         if (build / "lock").exists():
             log.warning("removed a kernel build's stale lock (a build was killed): %s", build)
             (build / "lock").unlink()
-        copies = _copy_sources(build / "src", [*sources, HEADER])
+        copies = _copy_sources(build / "src", sources)
+        _copy_sources(build / "src", [HEADER])  # included by the sources, not listed
         cpp_extension.load(
             name="nanoserve_kernels",
-            sources=[str(copy) for copy in copies[:-1]],  # the header is included, not listed
+            sources=[str(copy) for copy in copies],
             extra_cflags=flags,
             extra_ldflags=_OPENMP,
             build_directory=str(build),
@@ -185,10 +187,11 @@ def _sources() -> list[Path]:
     return SOURCES + bf16 + (VNNI_SOURCES if uses_vnni() else [])
 
 
-def _digest(flags: list[str]) -> str:
-    """What a build depends on, hashed: each source's name and bytes, the header's, the flags."""
+def _digest(paths: list[Path], flags: list[str]) -> str:
+    """What a build depends on, hashed: each file's name and bytes (the sources and the header),
+    and the flags."""
     digest = hashlib.sha256()
-    for path in [*_sources(), HEADER]:
+    for path in paths:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     digest.update("\0".join(flags).encode())
     return digest.hexdigest()[:16]
