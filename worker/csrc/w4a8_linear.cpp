@@ -69,19 +69,18 @@ void tile(const int8_t* xq, const float* d, const float* s, int64_t K, const uin
           int64_t m0, int64_t rb0, bool ahead, int64_t share, int64_t shares) {
   // ahead: prefetch the groups g of the next NB row blocks with g % shares == share.
   const int64_t G = K / 32;
-  // The next NB row blocks: their weights (G x 512 bytes each, adjacent) and scales.
-  const uint8_t* next = packed + (rb0 + NB) * G * 512;
-  const char* next_scale = reinterpret_cast<const char*>(scale + (rb0 + NB) * G * 16);
-  const char* next_low = reinterpret_cast<const char*>(low + (rb0 + NB) * G * 16);
   __m512 total[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) total[m][n] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    if (ahead && g % shares == share) {  // 16 lines of weights, and a line of each scale
-      for (int line = 0; line < 16; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(next + g * 1024 + 64 * line), _MM_HINT_T0);
-      _mm_prefetch(next_scale + 64 * g, _MM_HINT_T0);
-      _mm_prefetch(next_low + 64 * g, _MM_HINT_T0);
+    if (ahead && g % shares == share) {
+      // Group g of the next NB row blocks (adjacent, G x 512 bytes each): 16 lines of weights,
+      // and a line of each scale.
+      const char* next = reinterpret_cast<const char*>(packed + (rb0 + NB) * G * 512);
+      for (int line = 0; line < 16; ++line) _mm_prefetch(next + g * 1024 + 64 * line, _MM_HINT_T0);
+      const int64_t at = (rb0 + NB) * G * 16;  // in float16s
+      _mm_prefetch(reinterpret_cast<const char*>(scale + at) + 64 * g, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(low + at) + 64 * g, _MM_HINT_T0);
     }
     __m512i sums[MB][NB];
     for (int m = 0; m < MB; ++m)
