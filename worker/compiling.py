@@ -115,6 +115,13 @@ class BackgroundCompile:
             compiled.warm_up()  # a cache hit: tracing and loading, not compiling
             self.result = compiled
             self.state = "ready"
+            # Said here too: the worker switches (and logs it) at its next step, which an idle
+            # server may not take for a long time.
+            how = "compiled" if self.cold else "loaded from the cache"
+            seconds = time.perf_counter() - self._began
+            log.info(
+                "compiled decode steps ready (%s in %.1f s), used from the next step", how, seconds
+            )
         except Exception as exc:  # the worker serves eagerly on; say why, once
             self.error = f"{type(exc).__name__}: {exc}"
             self.state = "failed"

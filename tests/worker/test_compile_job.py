@@ -4,6 +4,7 @@ loader's tracing at once rather than after 5 ms at each of its operators."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
 
@@ -38,6 +39,21 @@ def test_the_job_is_loading_exactly_while_its_thread_traces_the_graphs(tmp_path,
     assert job.wait(60), job.error
     assert _Graphs.seen == [True]
     assert not job.loading and isinstance(job.result, _Graphs)
+
+
+def test_the_job_says_its_graphs_are_ready_without_waiting_for_a_step(
+    tmp_path, monkeypatch, caplog
+):
+    (tmp_path / _MARKER).write_text("0\n")
+    monkeypatch.setattr(worker.compiled, "CompiledDecode", _Graphs)
+    host = types.SimpleNamespace(model=None, cache=None, attention=None)
+    job = BackgroundCompile(host, tmp_path)
+    _Graphs.job, _Graphs.seen = job, []
+    with caplog.at_level(logging.INFO, logger="nanoserve.worker"):
+        job.start()
+        assert job.wait(60), job.error
+    ready = [r.getMessage() for r in caplog.records if "ready" in r.getMessage()]
+    assert len(ready) == 1 and "loaded from the cache" in ready[0], ready
 
 
 def test_a_step_beside_the_loading_runs_on_the_short_switch_interval():
