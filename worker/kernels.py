@@ -144,20 +144,10 @@ def _load() -> Path:
     """Build (or find built) and load the kernels; the directory they live in."""
     from torch.utils import cpp_extension
 
-    from protocol.model_files import cache_root
-
     put_ninja_on_path()
-    # One directory per set of sources and flags, holding copies of the sources: ninja rebuilds
-    # when a source's path changes, not only its bytes, so building from each checkout's own
-    # csrc/ rebuilt at every start from another checkout. Resolved, because the tests reach the
-    # shared directory through a link from a cache directory of their own.
     sources, flags = _sources(), cflags()
-    flavour = "-bf16" if uses_bf16() else ""
-    kernels = cache_root() / "kernels"
-    kernels.mkdir(parents=True, exist_ok=True)
-    digest = _digest([*sources, HEADER], flags)
-    build = kernels.resolve() / f"torch-{torch.__version__}{flavour}-{digest}"
-    build.mkdir(exist_ok=True)
+    build = build_dir()
+    build.mkdir(parents=True, exist_ok=True)
     # cpp_extension serializes builders with a ``lock`` file that a killed build leaves behind,
     # and every later process then waits on it forever. An flock is released by the kernel when
     # its holder dies: holding it, no other nanoserve process is building, so a ``lock`` found
@@ -173,7 +163,7 @@ def _load() -> Path:
             name="nanoserve_kernels",
             sources=[str(copy) for copy in copies],
             extra_cflags=flags,
-            extra_ldflags=_OPENMP,
+            extra_ldflags=list(_OPENMP),  # a copy: load() appends torch's libraries to it
             build_directory=str(build),
             is_python_module=False,
             verbose=False,
@@ -182,18 +172,41 @@ def _load() -> Path:
     return build
 
 
+def build_dir() -> Path:
+    """The directory this process's kernels are built in: one per set of sources, flags and
+    torch installation, holding copies of the sources. Ninja rebuilds when a source's path
+    changes, not only its bytes, and when a command changes, and the commands name torch's
+    include and library directories: two checkouts, or two virtual environments, taking turns
+    on one directory rebuilt it at every start (a CI run from a clone, then ``make serve``:
+    35.9 s to /health). Resolved, because the tests reach the shared directory through a link
+    from a cache directory of their own."""
+    from protocol.model_files import cache_root
+
+    flavour = "-bf16" if uses_bf16() else ""
+    digest = _digest([*_sources(), HEADER], cflags(), torch_dir())
+    kernels = cache_root() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    return kernels.resolve() / f"torch-{torch.__version__}{flavour}-{digest}"
+
+
+def torch_dir() -> Path:
+    """Where this process's torch is installed (its headers and libraries)."""
+    return Path(torch.__file__).resolve().parent
+
+
 def _sources() -> list[Path]:
     bf16 = BF16_SOURCES if uses_bf16() else []
     return SOURCES + bf16 + (VNNI_SOURCES if uses_vnni() else [])
 
 
-def _digest(paths: list[Path], flags: list[str]) -> str:
+def _digest(paths: list[Path], flags: list[str], torch_at: Path) -> str:
     """What a build depends on, hashed: each file's name and bytes (the sources and the header),
-    and the flags."""
+    the flags and torch's location."""
     digest = hashlib.sha256()
     for path in paths:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     digest.update("\0".join(flags).encode())
+    digest.update(b"\0" + str(torch_at).encode())
     return digest.hexdigest()[:16]
 
 

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -693,6 +694,19 @@ def test_a_stale_build_lock_does_not_block_the_next_load(tmp_path):
     assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]
     assert "stale lock" in done.stderr
     assert not (build / "lock").exists()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the kernels built here")
+def test_another_torch_installation_builds_in_a_directory_of_its_own(monkeypatch):
+    """Ninja also rebuilds when a build command changes, and the commands name torch's include
+    and library directories: a clone's virtual environment and the user's must not take turns
+    on one build directory."""
+    built = kernels._load()
+    assert kernels.build_dir() == built
+    monkeypatch.setattr(kernels, "torch_dir", lambda: Path("/elsewhere/site-packages/torch"))
+    other = kernels.build_dir()
+    assert other != built and other.parent == built.parent
+    assert other.name.startswith(f"torch-{torch.__version__}")
 
 
 @pytest.mark.skipif(not kernels.available(), reason="needs the kernels built here")
