@@ -114,20 +114,27 @@ class BackgroundCompile:
             compiled = CompiledDecode(worker.model, worker.cache, worker.attention)
             compiled.warm_up()  # a cache hit: tracing and loading, not compiling
             self.result = compiled
-            self.state = "ready"
-            # Said here too: the worker switches (and logs it) at its next step, which an idle
-            # server may not take for a long time.
-            how = "compiled" if self.cold else "loaded from the cache"
-            seconds = time.perf_counter() - self._began
-            log.info(
-                "compiled decode steps ready (%s in %.1f s), used from the next step", how, seconds
-            )
+            state = "ready"
         except Exception as exc:  # the worker serves eagerly on; say why, once
             self.error = f"{type(exc).__name__}: {exc}"
-            self.state = "failed"
+            state = "failed"
             log.error("compiled decode steps failed to build (%s); steps stay eager", self.error)
         self.loading = False
         self.seconds = time.perf_counter() - self._began
+        self.state = state  # last: the worker's thread reads the rest once it sees this
+        if state == "ready":
+            # Said here too: the worker switches (and logs it) at its next step, which an idle
+            # server may not take for a long time.
+            log.info(
+                "compiled decode steps ready (%s in %.1f s), used from the next step",
+                self.how,
+                self.seconds,
+            )
+
+    @property
+    def how(self) -> str:
+        """How the graphs came: compiled by this job, or loaded from a filled cache."""
+        return "compiled" if self.cold else "loaded from the cache"
 
     def _fill_cache(self) -> None:
         """Compile in a child process at the lowest priority, filling the on-disk cache."""

@@ -278,8 +278,7 @@ class Worker:
         job = self.compile_job
         if self.compiled is None and job is not None and job.state == "ready":
             self.compiled = job.result
-            how = "compiled" if job.cold else "loaded from the cache"
-            log.info("decode steps run compiled from now on (%s in %.1f s)", how, job.seconds)
+            log.info("decode steps run compiled from now on (%s in %.1f s)", job.how, job.seconds)
         return self.compiled
 
     def reset(self) -> None:
