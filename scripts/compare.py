@@ -13,7 +13,10 @@ flags, the committed ``.env``, port 8000) and prints, for each start, the second
 (read from /metrics, the compiled path engages without a restart); then the same load, and
 with ``--noisy-neighbour N`` the same load again beside N busy loops at nice 19
 (``scripts/noisy_neighbour.py``), and with ``--with-llamacpp`` a start of llama-server right
-after each of nanoserve's, benched the same way (a run's pair shares the machine's phase). Every
+after each of nanoserve's start is timed, benched the same way (a run's pair shares the
+machine's phase). Both stay up while concurrency 1 runs on them in ``--c1-rounds`` alternating
+rounds, since a concurrency-1 run lasts only seconds; nanoserve's noisy-neighbour runs follow,
+then llama-server's (first run only). Every
 server and every loop runs in a session of its own, as if each were started from its own
 terminal; the loops' sessions are at nice 19 too, since Linux's autogroup counts a nice value
 only inside its session. ``--equal-share`` adds, for the first start of each server, a run
@@ -37,6 +40,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -227,7 +231,8 @@ def bench_noisy(
 
 def readme_rows(args: argparse.Namespace, work: Path, logs: Path) -> tuple[list, list]:
     """``--runs`` starts of the README's server, each timed and benched (and again beside the
-    noisy neighbour), each followed at once by a start of llama-server benched the same way.
+    noisy neighbour), each followed at once by a start of llama-server benched the same way;
+    with ``--c1-rounds``, both up for concurrency 1 (``paired_c1``).
 
     A run's two servers go back to back because their bars compare them run by run, and this
     machine's speed drifts by tens of percent over minutes (docs/performance.md): all of
@@ -237,31 +242,47 @@ def readme_rows(args: argparse.Namespace, work: Path, logs: Path) -> tuple[list,
     if args.with_llamacpp and args.llama_server is None:  # built before anything is timed
         args.llama_server, built_s = build_llama_server(args.llama_cache)
         print(f"built llama-server in {built_s:.0f} s", flush=True)
+    paired = args.with_llamacpp and args.c1_rounds > 0 and 1 in args.concurrency
+    alone = [c for c in args.concurrency if not (paired and c == 1)]
     for run in range(1, args.runs + 1):
-        server = start_as_readme(logs / f"readme-{run}")
+        server, llama = start_as_readme(logs / f"readme-{run}"), None
         try:
             starts.append(time_readme_start(server, f"run {run}", args.compile_wait))
-            rows += bench_all("nanoserve", f"README run {run}", server, args, work)
+            rows += bench_all("nanoserve", f"README run {run}", server, args, work, alone)
+            if paired:  # llama-server started after nanoserve's start is timed
+                llama = _llama_server(args, logs)
+                rows += bench_all("llama.cpp", f"run {run}", llama, args, work, alone)
+                rows += paired_c1(server, llama, run, args, work)
             if args.noisy_neighbour:
                 rows += bench_noisy("nanoserve", f"README run {run}", server, args, work)
                 if args.equal_share and run == 1:
                     rows += bench_noisy("nanoserve", "README run 1", server, args, work, 0)
+        except BaseException:
+            if llama is not None:
+                llama.stop()
+            raise
         finally:
             server.stop()
         if args.with_llamacpp:
-            rows += llama_run(args, work, logs, run)
+            rows += llama_run(args, work, logs, run, llama)
     if args.with_transformers:
         rows += transformers_rows(args)
     return starts, rows
 
 
-def llama_run(args: argparse.Namespace, work: Path, logs: Path, run: int) -> list[dict]:
+def llama_run(
+    args: argparse.Namespace, work: Path, logs: Path, run: int, server=None
+) -> list[dict]:
     """One start of llama-server, benched quiet (and, in the first run, beside the noisy
-    neighbour), then ended."""
+    neighbour), then ended; ``server``: one already started and benched quiet (paired with
+    nanoserve's start), benched only beside the neighbour."""
     rows = []
-    server = _llama_server(args, logs)
+    quiet = server is None
+    if quiet:
+        server = _llama_server(args, logs)
     try:
-        rows += bench_all("llama.cpp", f"run {run}", server, args, work)
+        if quiet:
+            rows += bench_all("llama.cpp", f"run {run}", server, args, work)
         if args.noisy_neighbour and run == 1:  # once: it may collapse (--timeout)
             rows += bench_noisy("llama.cpp", f"run {run}", server, args, work)
             if args.equal_share:
@@ -285,6 +306,11 @@ def readme_verdicts(rows: list[dict]) -> list[str]:
                 return row
         return None
 
+    def rounds(row: dict) -> str:  # paired_c1's rounds, in the order they ran
+        if not row.get("itl_rounds"):
+            return ""
+        return " (rounds " + " / ".join(f"{itl:.1f}" for itl in row["itl_rounds"]) + ")"
+
     hf = next((r for r in rows if r.get("server", "").startswith("transformers")), None)
     lines, run = [], 1
     while (c32 := find("nanoserve", f"README run {run}", 32)) is not None:
@@ -298,9 +324,9 @@ def readme_verdicts(rows: list[dict]) -> list[str]:
         if llama32:
             parts.append(f"{tok / llama32['output_throughput']:.2f}x llama.cpp (bar 4x)")
         if c1:
-            parts.append(f"c1 ITL {c1['itl_median']:.1f} ms")
+            parts.append(f"c1 ITL {c1['itl_median']:.1f} ms{rounds(c1)}")
             if llama1:
-                parts.append(f"llama.cpp {llama1['itl_median']:.1f} ms")
+                parts.append(f"llama.cpp {llama1['itl_median']:.1f} ms{rounds(llama1)}")
             parts.append(f"c1 TTFT {c1['ttft_median']:.0f} ms (bar 100)")
         noisy32 = find("nanoserve", f"README run {run} + noise", 32)
         noisy1 = find("nanoserve", f"README run {run} + noise", 1)
@@ -316,10 +342,59 @@ def readme_verdicts(rows: list[dict]) -> list[str]:
     return lines
 
 
-def bench_all(name: str, label: str, server, args, work: Path, seed: int = 0) -> list[dict]:
-    """Bench a started server at every concurrency (it keeps running)."""
+def paired_c1(nanoserve, llama, run: int, args: argparse.Namespace, work: Path) -> list[dict]:
+    """Concurrency 1 on both servers, both up, in ``args.c1_rounds`` rounds that alternate
+    between them (nanoserve first in even rounds, llama-server in odd ones); a round's prompts
+    are new to both (seed 10 + round). A row per server, its medians the median of its rounds'.
+
+    A concurrency-1 run lasts seconds, and this machine's speed drifts by tens of percent over
+    minutes (docs/performance.md): one run on each server, a minute or two apart, compared the
+    machine's phases as often as the servers."""
+    servers = (("nanoserve", f"README run {run}", nanoserve), ("llama.cpp", f"run {run}", llama))
+    reports: dict[str, list[dict]] = {name: [] for name, _, _ in servers}
+    for round_ in range(args.c1_rounds):
+        for name, label, server in servers if round_ % 2 == 0 else servers[::-1]:
+            out = work / f"{name}-{label}-c1-round{round_}.json".replace(" ", "_")
+            reports[name].append(bench(server.url, 1, args, out, seed=10 + round_))
     rows = []
-    for concurrency in args.concurrency:
+    for name, label, _ in servers:
+        rows.append({**merge_rounds(reports[name]), "server": name, "dtype": label})
+        rows[-1]["concurrency"] = 1
+        print(format_table(rows[-1:]), flush=True)
+    return rows
+
+
+MEDIAN_KEYS = ("output_throughput", "ttft_median", "itl_median", "tpot_median")
+MEDIAN_KEYS += ("worker_busy_ratio", "scheduler_ms_per_step")
+
+
+def merge_rounds(reports: list[dict]) -> dict:
+    """One row from rounds of the same load on one server: the median of each round's median
+    (and throughput), the largest p99, RSS at the first round's start and the last one's end,
+    and every round's ITL and TTFT medians; a failed round fails the row."""
+    # bench's own failure is a sentence; a finished run's report counts failed requests.
+    failed = [report["failed"] for report in reports if isinstance(report.get("failed"), str)]
+    if failed:
+        return {"failed": failed[0]}
+    merged = dict(reports[0])
+    for key in MEDIAN_KEYS:
+        values = [report[key] for report in reports if report.get(key) is not None]
+        merged[key] = statistics.median(values) if values else None
+    merged["itl_p99"] = max(report["itl_p99"] for report in reports)
+    merged["failed"] = sum(report.get("failed", 0) for report in reports)
+    merged["worker_rss_mib_end"] = reports[-1].get("worker_rss_mib_end")
+    merged["itl_rounds"] = [report["itl_median"] for report in reports]
+    merged["ttft_rounds"] = [report["ttft_median"] for report in reports]
+    return merged
+
+
+def bench_all(
+    name: str, label: str, server, args, work: Path, concurrencies=None, seed: int = 0
+) -> list[dict]:
+    """Bench a started server at every concurrency (it keeps running): ``concurrencies``, else
+    ``args.concurrency``."""
+    rows = []
+    for concurrency in args.concurrency if concurrencies is None else concurrencies:
         out = work / f"{name}-{label}-c{concurrency}.json".replace(" ", "_").replace("+", "")
         report = bench(server.url, concurrency, args, out, seed)
         rows.append({**report, "server": name, "dtype": label, "concurrency": concurrency})
@@ -426,6 +501,13 @@ def parse_args() -> argparse.Namespace:
         "--compile", action="store_true", help="also bench nanoserve with --compile, each dtype"
     )
     parser.add_argument("--with-llamacpp", action="store_true", help="also bench llama-server")
+    parser.add_argument(
+        "--c1-rounds",
+        type=int,
+        default=3,
+        help="--as-readme --with-llamacpp: concurrency 1 on both servers, both up, in this many "
+        "alternating rounds (0: one run each, as part of each server's own runs)",
+    )
     parser.add_argument("--llama-server", type=Path, help="a built llama-server binary")
     parser.add_argument(
         "--llama-cache", type=Path, default=Path.home() / ".cache" / "nanoserve" / "llama.cpp"

@@ -75,41 +75,95 @@ def test_wait_ready_raises_when_a_process_exits(tmp_path):
     assert server.processes[0].returncode == 3
 
 
-def test_each_readme_start_is_followed_by_its_llama_server_start(monkeypatch, tmp_path):
-    """The bars compare the servers run by run, so run N of llama-server must come right after
-    run N of nanoserve, not after all of nanoserve's runs (the machine's speed drifts)."""
+class _Stub:
+    """A started server that records its stop."""
+
+    def __init__(self, name: str, events: list[str]) -> None:
+        self.name = self.url = name
+        self.events = events
+
+    def stop(self) -> None:
+        self.events.append(f"stop {self.name}")
+
+
+def _readme_rows(monkeypatch, tmp_path, *flags: str) -> tuple[list[str], list[dict]]:
+    """``readme_rows`` for two runs with stub servers; every start, bench and stop in order."""
     events: list[str] = []
-
-    class Stub:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def stop(self) -> None:
-            events.append(f"stop {self.name}")
-
-    starts = iter(range(1, 10))
-    monkeypatch.setattr(compare, "start_as_readme", lambda log_dir: Stub(f"nano{next(starts)}"))
-    llamas = iter(range(1, 10))
-    monkeypatch.setattr(compare, "_llama_server", lambda args, logs: Stub(f"llama{next(llamas)}"))
+    starts, llamas = iter(range(1, 10)), iter(range(1, 10))
+    monkeypatch.setattr(
+        compare, "start_as_readme", lambda log_dir: _Stub(f"nano{next(starts)}", events)
+    )
+    monkeypatch.setattr(
+        compare, "_llama_server", lambda args, logs: _Stub(f"llama{next(llamas)}", events)
+    )
     monkeypatch.setattr(compare, "time_readme_start", lambda server, label, wait: {})
 
-    def bench_all(name, label, server, args, work, seed=0):
-        events.append(f"bench {server.name} {label}")
+    def bench_all(name, label, server, args, work, concurrencies=None, seed=0):
+        for concurrency in args.concurrency if concurrencies is None else concurrencies:
+            events.append(f"c{concurrency} {server.name}")
         return [{"server": name, "dtype": label}]
 
+    def bench(url, concurrency, args, out, seed=0):
+        events.append(f"c{concurrency} {url} seed {seed}")
+        return {"itl_median": float(seed), "ttft_median": 1.0, "itl_p99": 2.0, "failed": 0}
+
     monkeypatch.setattr(compare, "bench_all", bench_all)
-    monkeypatch.setattr(sys, "argv", ["compare.py", "--as-readme", "--runs", "2"])
+    monkeypatch.setattr(compare, "bench", bench)
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--as-readme", "--runs", "2", *flags])
     args = compare.parse_args()
     args.with_llamacpp, args.llama_server = True, Path("/nonexistent/llama-server")
     _, rows = compare.readme_rows(args, tmp_path, tmp_path)
-    assert events == [
-        "bench nano1 README run 1",
-        "stop nano1",
-        "bench llama1 run 1",
-        "stop llama1",
-        "bench nano2 README run 2",
-        "stop nano2",
-        "bench llama2 run 2",
-        "stop llama2",
+    return events, rows
+
+
+def test_each_readme_start_is_followed_by_its_llama_server_start(monkeypatch, tmp_path):
+    """The bars compare the servers run by run, so run N of llama-server must come right after
+    run N of nanoserve, not after all of nanoserve's runs (the machine's speed drifts); and
+    concurrency 1 alternates between the two, both up, each round on prompts new to both."""
+    events, rows = _readme_rows(monkeypatch, tmp_path)
+    run = [
+        "c32 nano{n}",
+        "c32 llama{n}",
+        "c1 nano{n} seed 10",
+        "c1 llama{n} seed 10",
+        "c1 llama{n} seed 11",
+        "c1 nano{n} seed 11",
+        "c1 nano{n} seed 12",
+        "c1 llama{n} seed 12",
+        "stop nano{n}",
+        "stop llama{n}",
     ]
+    assert events == [event.format(n=n) for n in (1, 2) for event in run]
+    c1 = [row for row in rows if row.get("concurrency") == 1]
+    assert [(row["server"], row["dtype"]) for row in c1] == [
+        ("nanoserve", "README run 1"),
+        ("llama.cpp", "run 1"),
+        ("nanoserve", "README run 2"),
+        ("llama.cpp", "run 2"),
+    ]
+    assert c1[0]["itl_rounds"] == [10.0, 11.0, 12.0] and c1[0]["itl_median"] == 11.0
+
+
+def test_without_rounds_each_server_runs_its_own_c1(monkeypatch, tmp_path):
+    events, rows = _readme_rows(monkeypatch, tmp_path, "--c1-rounds", "0")
+    run = ["c32 nano{n}", "c1 nano{n}", "stop nano{n}", "c32 llama{n}", "c1 llama{n}"]
+    run.append("stop llama{n}")
+    assert events == [event.format(n=n) for n in (1, 2) for event in run]
     assert len(rows) == 4
+
+
+def test_rounds_merge_into_medians_and_a_failed_round_fails_the_row():
+    rounds = [
+        {"itl_median": 7.0, "ttft_median": 50.0, "itl_p99": 12.0, "output_throughput": 140.0},
+        {"itl_median": 5.0, "ttft_median": 70.0, "itl_p99": 30.0, "output_throughput": 180.0},
+        {"itl_median": 6.0, "ttft_median": 60.0, "itl_p99": 14.0, "output_throughput": 160.0},
+    ]
+    for report in rounds:
+        report["failed"] = 0  # a finished run counts its failed requests
+    merged = compare.merge_rounds(rounds)
+    assert (merged["itl_median"], merged["ttft_median"]) == (6.0, 60.0)
+    assert (merged["itl_p99"], merged["output_throughput"], merged["failed"]) == (30.0, 160.0, 0)
+    assert merged["itl_rounds"] == [7.0, 5.0, 6.0]
+    assert compare.merge_rounds([*rounds, {"failed": "not done in 240 s"}]) == {
+        "failed": "not done in 240 s"
+    }
