@@ -358,14 +358,20 @@ def paired_c1(nanoserve, llama, run: int, args: argparse.Namespace, work: Path) 
             reports[name].append(bench(server.url, 1, args, out, seed=10 + round_))
     rows = []
     for name, label, _ in servers:
-        rows.append({**merge_rounds(reports[name]), "server": name, "dtype": label})
-        rows[-1]["concurrency"] = 1
+        row = {**merge_rounds(reports[name]), "server": name, "dtype": label, "concurrency": 1}
+        rows.append(row)
         print(format_table(rows[-1:]), flush=True)
     return rows
 
 
-MEDIAN_KEYS = ("output_throughput", "ttft_median", "itl_median", "tpot_median")
-MEDIAN_KEYS += ("worker_busy_ratio", "scheduler_ms_per_step")
+MEDIAN_KEYS = (
+    "output_throughput",
+    "ttft_median",
+    "itl_median",
+    "tpot_median",
+    "worker_busy_ratio",
+    "scheduler_ms_per_step",
+)
 
 
 def merge_rounds(reports: list[dict]) -> dict:

@@ -146,7 +146,7 @@ def _load() -> Path:
 
     put_ninja_on_path()
     sources, flags = _sources(), cflags()
-    build = build_dir()
+    build = _build_dir(sources, flags)
     build.mkdir(parents=True, exist_ok=True)
     # cpp_extension serializes builders with a ``lock`` file that a killed build leaves behind,
     # and every later process then waits on it forever. An flock is released by the kernel when
@@ -180,10 +180,14 @@ def build_dir() -> Path:
     on one directory rebuilt it at every start (a CI run from a clone, then ``make serve``:
     35.9 s to /health). Resolved, because the tests reach the shared directory through a link
     from a cache directory of their own."""
+    return _build_dir(_sources(), cflags())
+
+
+def _build_dir(sources: list[Path], flags: list[str]) -> Path:
     from protocol.model_files import cache_root
 
     flavour = "-bf16" if uses_bf16() else ""
-    digest = _digest([*_sources(), HEADER], cflags(), torch_dir())
+    digest = _digest([*sources, HEADER], flags, torch_dir())
     kernels = cache_root() / "kernels"
     kernels.mkdir(parents=True, exist_ok=True)
     return kernels.resolve() / f"torch-{torch.__version__}{flavour}-{digest}"
