@@ -1,10 +1,11 @@
 """SchedulerClient: the frontend's one DEALER connection to the scheduler.
 
-A background listener routes each RequestOutput to the queue of the HTTP request that owns it,
-so every request coroutine is woken with its own tokens only. The client says hello on every
-(re)connection and every heartbeat period while it has not heard from the scheduler, so a
-restarted scheduler learns about it. When the scheduler disconnects or stays silent longer than
-``scheduler_timeout``, every in-flight request gets ``SchedulerLost`` and new ones get 503.
+A reader callback in the event loop (``Channel.watch``) routes each RequestOutput to the queue
+of the HTTP request that owns it, so every request coroutine is woken with its own tokens only.
+The client says hello on every (re)connection and every heartbeat period while it has not heard
+from the scheduler, so a restarted scheduler learns about it. When the scheduler disconnects or
+stays silent longer than ``scheduler_timeout``, every in-flight request gets ``SchedulerLost``
+and new ones get 503.
 """
 
 from __future__ import annotations
@@ -74,27 +75,32 @@ class SchedulerClient:
         self._routes: dict[str, tuple[int, asyncio.Queue[Delivery]]] = {}
         self._context: zmq.asyncio.Context | None = None
         self._channel: Channel[SchedulerToFrontend] | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: list[asyncio.Task[None]] = []  # the monitor's and the heartbeat's
         self._ready = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect and start the listener, monitor and heartbeat tasks."""
+        """Connect, watch the socket, and start the monitor and heartbeat tasks."""
         self._context = zmq.asyncio.Context()
-        socket = self._context.socket(zmq.DEALER)
+        # A plain socket, not a zmq.asyncio one: ``Channel.watch`` reads it with one reader
+        # callback and no future per message (a zmq.asyncio socket registers a reader of its own
+        # on the same descriptor). Its monitor is read as a zmq.asyncio socket.
+        socket = zmq.Context.shadow(self._context.underlying).socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         # Queue nothing for a scheduler that is not connected: a stale AddRequest must never
         # reach a restarted scheduler after its HTTP request has already failed.
         socket.setsockopt(zmq.IMMEDIATE, 1)
         socket.setsockopt(zmq.SNDHWM, 100_000)
         socket.setsockopt(zmq.RCVHWM, 100_000)
-        monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        monitor = zmq.asyncio.Socket.from_socket(
+            socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        )
         socket.connect(self.config.addresses.frontend)
         self._channel = Channel(socket, SchedulerToFrontend)
         loop = asyncio.get_running_loop()
+        self._channel.watch(loop, self._on_message, self._on_bad_message)
         self._tasks = [
-            loop.create_task(self._listen(), name="scheduler-listener"),
             loop.create_task(self._watch(monitor), name="scheduler-monitor"),
             loop.create_task(self._heartbeat(), name="scheduler-heartbeat"),
         ]
@@ -105,9 +111,13 @@ class SchedulerClient:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        if self._channel is not None:
+            self._channel.unwatch()
+            # Made through a shadow context, so destroy() below does not know it.
+            self._channel.socket.close(linger=0)
         if self._context is not None:
-            # destroy() closes every socket of the context (the monitor pair included) with
-            # linger 0, so closing can never block on undelivered messages.
+            # destroy() closes every socket of the context it made (the monitor pair included)
+            # with linger 0, so closing can never block on undelivered messages.
             self._context.destroy(linger=0)
             self._context = None
         self._channel = None
@@ -185,28 +195,23 @@ class SchedulerClient:
 
     # -- background tasks --------------------------------------------------------------------
 
-    async def _listen(self) -> None:
-        channel = self._channel
-        if channel is None:
-            raise RuntimeError("SchedulerClient.start() was not called")
-        while True:
-            try:
-                _, message = await channel.arecv()
-            except BadMessage as exc:
-                self.metrics.bad_messages.inc()
-                log.warning("dropped a bad frame from the scheduler: %s", exc)
-                continue
-            self.last_heard = time.monotonic()
-            if self.link is Link.DISCONNECTED:  # a message can only come over a connection
-                self.link = Link.CONNECTED
-            match message:
-                case Outputs():
-                    self._on_outputs(message)
-                case SchedulerInfo():
-                    self._on_info(message)
-                case Heartbeat():
-                    pass
-            self._update_ready()
+    def _on_bad_message(self, exc: BadMessage) -> None:
+        self.metrics.bad_messages.inc()
+        log.warning("dropped a bad frame from the scheduler: %s", exc)
+
+    def _on_message(self, _: bytes | None, message: SchedulerToFrontend) -> None:
+        """Each message from the scheduler, in the event loop (``Channel.watch``)."""
+        self.last_heard = time.monotonic()
+        if self.link is Link.DISCONNECTED:  # a message can only come over a connection
+            self.link = Link.CONNECTED
+        match message:
+            case Outputs():
+                self._on_outputs(message)
+            case SchedulerInfo():
+                self._on_info(message)
+            case Heartbeat():
+                pass
+        self._update_ready()
 
     def _update_ready(self) -> None:
         if self.geometry() is not None:

@@ -5,11 +5,17 @@ Every socket in nanoserve is either a ROUTER (bound by the scheduler; frames are
 The same class serves both, blocking or asyncio (``zmq.asyncio`` sockets). A frame that does not
 decode into the socket's union raises ``BadMessage``: callers log it, count it and carry on.
 No other module encodes or decodes a wire message.
+
+``watch`` reads a plain socket from an asyncio loop with one reader callback on the socket's
+file descriptor, no future and no task per message: on a busy machine each message arrives
+with cold caches, and ``zmq.asyncio``'s per-message futures and reader registrations cost
+more than everything else the frontend does with a token (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -34,6 +40,9 @@ class Channel(Generic[T]):
         self.is_router = socket.type == zmq.ROUTER
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(inbox)
+        self._loop: asyncio.AbstractEventLoop | None = None  # set while ``watch`` reads it
+        self._on_message: Callable[[bytes | None, T], None] | None = None
+        self._on_bad: Callable[[BadMessage], None] | None = None
 
     def _frames(self, message: msgspec.Struct, peer: bytes | None) -> list[bytes]:
         payload = self._encoder.encode(message)
@@ -69,6 +78,10 @@ class Channel(Generic[T]):
             sent = self.socket.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
         except zmq.Again:
             return False
+        finally:
+            if self._loop is not None:
+                # A send can take the edge that announced a message (see ``_drain``).
+                self._loop.call_soon(self._drain)
         if not asyncio.isfuture(sent):
             return True
         if not sent.done():  # cannot happen with DONTWAIT; never leave one dangling
@@ -83,13 +96,50 @@ class Channel(Generic[T]):
         """Receive one message as ``(peer, message)``; peer is None on a DEALER."""
         return self._decode(self.socket.recv_multipart())
 
-    def recv_with_fd(self) -> tuple[bytes | None, T, int | None]:
+    def recv_with_fd(self, flags: int = 0) -> tuple[bytes | None, T, int | None]:
         """``recv``, plus the file descriptor of the connection the message arrived on (None
         where libzmq cannot tell): what matches a socket monitor's disconnect event to a peer.
-        BadMessage as ``recv``."""
-        frames = self.socket.recv_multipart(copy=False)
+        BadMessage as ``recv``; with ``zmq.NOBLOCK``, ``zmq.Again`` when nothing is queued."""
+        frames = self.socket.recv_multipart(flags, copy=False)
         peer, message = self._decode([frame.bytes for frame in frames])
         return peer, message, _source_fd(frames[-1])
+
+    def watch(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_message: Callable[[bytes | None, T], None],
+        on_bad: Callable[[BadMessage], None],
+    ) -> None:
+        """Call ``on_message(peer, message)`` in ``loop`` for every message, as it arrives, and
+        ``on_bad`` for every frame that does not decode. The socket must be a plain one (not
+        ``zmq.asyncio``: its own reader would replace this one), and every send on it must go
+        through ``try_send`` while watched. ``unwatch`` before closing the socket."""
+        self._loop, self._on_message, self._on_bad = loop, on_message, on_bad
+        loop.add_reader(self.socket.FD, self._drain)
+        loop.call_soon(self._drain)  # what arrived before the reader was added
+
+    def unwatch(self) -> None:
+        """Stop ``watch``: no callback runs after this returns."""
+        if self._loop is not None:
+            self._loop.remove_reader(self.socket.FD)
+            self._loop = self._on_message = self._on_bad = None
+
+    def _drain(self) -> None:
+        """Deliver every queued message. ZeroMQ's file descriptor is edge-triggered: it becomes
+        readable when the socket's state changes, not while a message waits, so each wake-up
+        reads until nothing is left. Any operation on the socket may consume the edge of a
+        message it did not read (``try_send`` therefore drains after sending)."""
+        while self._loop is not None:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                peer, message = self._decode(frames)
+            except BadMessage as exc:
+                self._on_bad(exc)
+                continue
+            self._on_message(peer, message)
 
     async def asend(self, message: msgspec.Struct, peer: bytes | None = None) -> None:
         """``send`` for a ``zmq.asyncio`` socket."""

@@ -136,10 +136,13 @@ def _drain(
     handler: Callable[[bytes, Any, int | None], None],
     bad: Callable[[str], None],
 ) -> None:
-    """Handle every message already queued on one socket, without blocking."""
-    while channel.socket.poll(0):
+    """Handle every message already queued on one socket, without blocking. Reads until
+    ``zmq.Again`` rather than polling before each read: a poll is a Poller and a system call."""
+    while True:
         try:
-            peer, message, fd = channel.recv_with_fd()
+            peer, message, fd = channel.recv_with_fd(zmq.NOBLOCK)
+        except zmq.Again:
+            return
         except BadMessage as exc:
             bad(f"peer {exc.peer!r}: {exc}")
             continue

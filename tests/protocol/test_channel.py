@@ -1,10 +1,15 @@
 """Channel over real inproc sockets: try_send queues now or reports that it could not, on
-blocking and zmq.asyncio sockets alike, and a frame of the wrong kind is a BadMessage."""
+blocking and zmq.asyncio sockets alike; a frame of the wrong kind is a BadMessage; ``watch``
+delivers every message from an event loop's reader callback, even one whose wake-up another call
+on the socket took."""
 
 from __future__ import annotations
 
+import asyncio
+import select
 import uuid
 
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -15,6 +20,11 @@ from protocol.messages import Abort, FrontendToScheduler, Heartbeat, SchedulerTo
 
 def _address() -> str:
     return f"inproc://channel-{uuid.uuid4().hex}"
+
+
+def _beat(sender: str) -> bytes:
+    """A Heartbeat as a ROUTER sends it to a frontend."""
+    return msgspec.msgpack.encode(Heartbeat(sender=sender, time=0.0))
 
 
 def _dealer(context: zmq.Context) -> zmq.Socket:
@@ -64,5 +74,69 @@ async def test_try_send_on_an_asyncio_socket_resolves_at_once() -> None:
         await dealer.send(b"\xc1")  # never valid msgpack
         with pytest.raises(BadMessage):
             await receiver.arecv()
+    finally:
+        context.destroy(linger=0)
+
+
+async def test_watch_calls_back_for_every_message_and_bad_frame_then_stops() -> None:
+    context = zmq.Context()
+    loop = asyncio.get_running_loop()
+    try:
+        address = _address()
+        router = context.socket(zmq.ROUTER)
+        router.bind(address)
+        dealer = _dealer(context)
+        dealer.connect(address)
+        sender: Channel[FrontendToScheduler] = Channel(dealer, FrontendToScheduler)
+        assert sender.try_send(Heartbeat(sender="f", time=0.0))
+        assert router.poll(5000)
+        peer, _ = Channel(router, FrontendToScheduler).recv()
+        receiver: Channel[SchedulerToFrontend] = Channel(dealer, SchedulerToFrontend)
+        router.send_multipart([peer, _beat("before")])
+        assert dealer.poll(5000)  # queued before the watch begins
+        got: asyncio.Queue[object] = asyncio.Queue()
+        receiver.watch(loop, lambda p, message: got.put_nowait(message), got.put_nowait)
+        assert await asyncio.wait_for(got.get(), 5) == Heartbeat(sender="before", time=0.0)
+        for index in range(3):  # a burst is read in one wake-up or several, never lost
+            router.send_multipart([peer, _beat(f"r{index}")])
+        router.send_multipart([peer, b"\xc1"])
+        for index in range(3):
+            assert await asyncio.wait_for(got.get(), 5) == Heartbeat(sender=f"r{index}", time=0.0)
+        assert isinstance(await asyncio.wait_for(got.get(), 5), BadMessage)
+        receiver.unwatch()
+        router.send_multipart([peer, _beat("after")])
+        assert dealer.poll(5000)
+        await asyncio.sleep(0)  # a reader still registered would run in this turn
+        assert got.empty()
+    finally:
+        context.destroy(linger=0)
+
+
+async def test_watch_reads_a_message_whose_wake_up_another_call_took() -> None:
+    """ZeroMQ's descriptor is edge-triggered: a call on the socket that processes its commands
+    (a send, a poll) can take the edge of a message it does not read. The next ``try_send``
+    makes the watch read it anyway."""
+    context = zmq.Context()
+    loop = asyncio.get_running_loop()
+    try:
+        address = _address()
+        router = context.socket(zmq.ROUTER)
+        router.bind(address)
+        dealer = _dealer(context)
+        dealer.connect(address)
+        channel: Channel[SchedulerToFrontend] = Channel(dealer, SchedulerToFrontend)
+        got: asyncio.Queue[object] = asyncio.Queue()
+        channel.watch(loop, lambda p, message: got.put_nowait(message), got.put_nowait)
+        assert channel.try_send(Heartbeat(sender="f", time=0.0))
+        assert router.poll(5000)
+        peer, _ = Channel(router, FrontendToScheduler).recv()
+        for _ in range(3):  # the loop runs what it has queued: drains, readiness already seen
+            await asyncio.sleep(0)
+        router.send_multipart([peer, _beat("hidden")])
+        assert dealer.poll(5000)  # takes the edge; the loop has not run since
+        assert not select.select([dealer.FD], [], [], 0)[0]  # so no reader callback will run
+        assert channel.try_send(Heartbeat(sender="f", time=1.0))
+        assert await asyncio.wait_for(got.get(), 5) == Heartbeat(sender="hidden", time=0.0)
+        channel.unwatch()
     finally:
         context.destroy(linger=0)
