@@ -44,6 +44,18 @@ def test_counters_never_fall_when_the_scheduler_restarts() -> None:
     assert "nanoserve:prefix_cache_hits_total 70.0" in text
 
 
+def test_no_count_is_lost_when_the_scheduler_restarts_between_reads() -> None:
+    """The series take the stats only when read; a scheduler that restarts between two reads
+    still has all its totals counted, and so does its successor."""
+    metrics = Metrics()
+    metrics.observe_stats(EngineStats(prefix_cache_queries=100))
+    assert "nanoserve:prefix_cache_queries_total 100.0" in metrics.render().decode()
+    metrics.observe_stats(EngineStats(prefix_cache_queries=150))  # unread
+    metrics.observe_stats(EngineStats(prefix_cache_queries=20))  # restarted
+    metrics.observe_stats(EngineStats(prefix_cache_queries=120))  # past the last read's 100
+    assert "nanoserve:prefix_cache_queries_total 270.0" in metrics.render().decode()
+
+
 def test_the_decode_path_is_one_state_of_an_enum() -> None:
     metrics = Metrics()
     metrics.observe_stats(EngineStats())
