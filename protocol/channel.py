@@ -96,11 +96,11 @@ class Channel(Generic[T]):
         """Receive one message as ``(peer, message)``; peer is None on a DEALER."""
         return self._decode(self.socket.recv_multipart())
 
-    def recv_with_fd(self, flags: int = 0) -> tuple[bytes | None, T, int | None]:
+    def recv_with_fd(self) -> tuple[bytes | None, T, int | None]:
         """``recv``, plus the file descriptor of the connection the message arrived on (None
         where libzmq cannot tell): what matches a socket monitor's disconnect event to a peer.
-        BadMessage as ``recv``; with ``zmq.NOBLOCK``, ``zmq.Again`` when nothing is queued."""
-        frames = self.socket.recv_multipart(flags, copy=False)
+        BadMessage as ``recv``."""
+        frames = self.socket.recv_multipart(copy=False)
         peer, message = self._decode([frame.bytes for frame in frames])
         return peer, message, _source_fd(frames[-1])
 
@@ -127,13 +127,11 @@ class Channel(Generic[T]):
     def _drain(self) -> None:
         """Deliver every queued message. ZeroMQ's file descriptor is edge-triggered: it becomes
         readable when the socket's state changes, not while a message waits, so each wake-up
-        reads until nothing is left. Any operation on the socket may consume the edge of a
-        message it did not read (``try_send`` therefore drains after sending)."""
-        while self._loop is not None:
-            try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        reads while the socket's events say one waits. Any operation on the socket may take
+        the edge of a message it did not read (``try_send`` therefore drains after sending)."""
+        socket = self.socket
+        while self._loop is not None and socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = socket.recv_multipart()
             try:
                 peer, message = self._decode(frames)
             except BadMessage as exc:

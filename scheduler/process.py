@@ -136,13 +136,13 @@ def _drain(
     handler: Callable[[bytes, Any, int | None], None],
     bad: Callable[[str], None],
 ) -> None:
-    """Handle every message already queued on one socket, without blocking. Reads until
-    ``zmq.Again`` rather than polling before each read: a poll is a Poller and a system call."""
-    while True:
+    """Handle every message already queued on one socket, without blocking. Asks the socket
+    for its events rather than polling it (a Poller each time) or reading until ``zmq.Again``
+    (an exception each time)."""
+    socket = channel.socket
+    while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
         try:
-            peer, message, fd = channel.recv_with_fd(zmq.NOBLOCK)
-        except zmq.Again:
-            return
+            peer, message, fd = channel.recv_with_fd()
         except BadMessage as exc:
             bad(f"peer {exc.peer!r}: {exc}")
             continue
