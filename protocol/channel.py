@@ -23,6 +23,9 @@ import zmq
 
 T = TypeVar("T")
 
+# Plain ints: pyzmq's enum members make each ``&`` an enum construction.
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
 
 class BadMessage(Exception):
     """A frame that is not a valid message for this socket (garbage, truncated, wrong type)."""
@@ -96,6 +99,10 @@ class Channel(Generic[T]):
         """Receive one message as ``(peer, message)``; peer is None on a DEALER."""
         return self._decode(self.socket.recv_multipart())
 
+    def waiting(self) -> bool:
+        """Whether a message is queued now (never blocks; a getsockopt, not a poll)."""
+        return bool(self.socket.getsockopt(_EVENTS) & _POLLIN)
+
     def recv_with_fd(self) -> tuple[bytes | None, T, int | None]:
         """``recv``, plus the file descriptor of the connection the message arrived on (None
         where libzmq cannot tell): what matches a socket monitor's disconnect event to a peer.
@@ -129,9 +136,8 @@ class Channel(Generic[T]):
         readable when the socket's state changes, not while a message waits, so each wake-up
         reads while the socket's events say one waits. Any operation on the socket may take
         the edge of a message it did not read (``try_send`` therefore drains after sending)."""
-        socket = self.socket
-        while self._loop is not None and socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = socket.recv_multipart()
+        while self._loop is not None and self.waiting():
+            frames = self.socket.recv_multipart()
             try:
                 peer, message = self._decode(frames)
             except BadMessage as exc:

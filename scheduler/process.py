@@ -136,11 +136,8 @@ def _drain(
     handler: Callable[[bytes, Any, int | None], None],
     bad: Callable[[str], None],
 ) -> None:
-    """Handle every message already queued on one socket, without blocking. Asks the socket
-    for its events rather than polling it (a Poller each time) or reading until ``zmq.Again``
-    (an exception each time)."""
-    socket = channel.socket
-    while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+    """Handle every message already queued on one socket, without blocking."""
+    while channel.waiting():
         try:
             peer, message, fd = channel.recv_with_fd()
         except BadMessage as exc:

@@ -47,8 +47,10 @@ def test_try_send_is_false_without_a_peer_and_true_once_one_listens() -> None:
         receiver: Channel[FrontendToScheduler] = Channel(router, FrontendToScheduler)
         assert sender.try_send(Abort(request_id="r1")) is True
         assert router.poll(5000)
+        assert receiver.waiting()
         peer, message = receiver.recv()
         assert message == Abort(request_id="r1") and peer is not None
+        assert not receiver.waiting()
         assert sender.try_send(Heartbeat(sender="x", time=0.0)) is True
         with pytest.raises(ValueError, match="peer identity"):
             receiver.try_send(Heartbeat(sender="scheduler", time=0.0))
