@@ -73,6 +73,11 @@ MIRRORED = (
         "worker_busy_s_total",
     ),
     (
+        "nanoserve:scheduler_cpu_seconds_total",
+        "CPU seconds of the scheduler process, every thread (ZeroMQ's I/O thread included)",
+        "scheduler_cpu_s_total",
+    ),
+    (
         "nanoserve:scheduler_busy_seconds_total",
         "Seconds the scheduler spent planning and applying steps",
         "scheduler_busy_s_total",
@@ -162,6 +167,13 @@ class Metrics:
             states=list(DECODE_PATHS),
             registry=r,
         )
+        # Read when /metrics renders: every thread of this process, ZeroMQ's I/O thread included.
+        self.cpu = Gauge(
+            "nanoserve:frontend_cpu_seconds_total",
+            "CPU seconds of this frontend process, every thread",
+            registry=r,
+        )
+        self.cpu.set_function(time.process_time)
         self.in_flight = Gauge(
             "nanoserve:frontend_requests_in_flight", "HTTP generation requests open", registry=r
         )

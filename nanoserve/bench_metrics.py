@@ -111,8 +111,9 @@ def worker_busy_seconds(metrics_text: str) -> tuple[str, float] | None:
 
 
 # What a scrape collects: the worker's busy seconds, the scheduler's own busy seconds (planning
-# and applying, not waiting on the worker) and the steps it ran, for its work per iteration, and
-# the worker's resident memory, to show it flat over a run.
+# and applying, not waiting on the worker) and the steps it ran, for its work per iteration, the
+# worker's resident memory, to show it flat over a run, and the frontend's and the scheduler's
+# CPU seconds (every thread), for what serving costs outside the worker per token.
 SCRAPED = (
     "worker_busy",
     "scheduler_busy",
@@ -121,6 +122,8 @@ SCRAPED = (
     "grammar_masked_tokens",
     "grammar_mask_fill",
     "grammar_mask_apply",
+    "frontend_cpu",
+    "scheduler_cpu",
 )
 
 
@@ -129,6 +132,13 @@ def us_per_grammar_token(before: dict, after: dict, seconds: str) -> float | Non
     per token sampled under a grammar over the run; None without the metrics or such tokens."""
     spent = busy_delta(before.get(seconds), after.get(seconds))
     tokens = busy_delta(before.get("grammar_masked_tokens"), after.get("grammar_masked_tokens"))
+    return None if spent is None or not tokens else spent * 1e6 / tokens
+
+
+def cpu_us_per_token(before: dict, after: dict, process: str, tokens: int) -> float | None:
+    """Microseconds of CPU a process (``frontend_cpu`` or ``scheduler_cpu``) used per output
+    token over the run; None without the metric or tokens."""
+    spent = busy_delta(before.get(process), after.get(process))
     return None if spent is None or not tokens else spent * 1e6 / tokens
 
 

@@ -29,6 +29,7 @@ from nanoserve.bench_metrics import (
     RequestResult,
     busy_delta,
     busy_ratio,
+    cpu_us_per_token,
     mib,
     scheduler_ms_per_step,
     scrape_counter,
@@ -274,6 +275,7 @@ class BenchServe:
             scrape_wall = time.perf_counter() - scraped_at
         busy_before, busy_after = before.get("worker_busy"), after.get("worker_busy")
         steps = busy_delta(before.get("num_steps"), after.get("num_steps"))
+        tokens = summary["total_output_tokens"]
         return {
             **self._run_info(model),
             **summary,
@@ -286,6 +288,8 @@ class BenchServe:
             "worker_rss_mib_end": mib(after.get("worker_resident_memory")),
             "grammar_fill_us_per_token": us_per_grammar_token(before, after, "grammar_mask_fill"),
             "grammar_apply_us_per_token": us_per_grammar_token(before, after, "grammar_mask_apply"),
+            "frontend_cpu_us_per_token": cpu_us_per_token(before, after, "frontend_cpu", tokens),
+            "scheduler_cpu_us_per_token": cpu_us_per_token(before, after, "scheduler_cpu", tokens),
         }
 
     async def _load(self, session: aiohttp.ClientSession, model: str) -> dict[str, object]:

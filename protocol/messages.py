@@ -230,6 +230,9 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     - ``messages_during_step_total``: frontend messages taken in while a step was in flight.
     - ``scheduler_busy_s_total``: CPU time the scheduler's loop spent planning steps and
       applying their results.
+    - ``scheduler_cpu_s_total``: CPU time of the whole scheduler process, every thread (its
+      loop, ZeroMQ's I/O thread): with the frontend's own, what serving costs outside the
+      worker.
     - ``bad_messages_total``: frames dropped (garbage, wrong type or version, a misfit worker).
     - ``workers_lost_total``, ``frontends_lost_total``: peers given up on (closed, or silent).
     - ``steps_in_flight``: steps sent and not yet answered (2 while overlap runs ahead).
@@ -266,6 +269,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     worker_decode_path: str = ""
     worker_threads: int = 0
     worker_thread_switches_total: int = 0
+    scheduler_cpu_s_total: float = 0.0
 
 
 class Outputs(Message):

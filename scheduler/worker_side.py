@@ -105,6 +105,7 @@ class WorkerSide:
             worker_threads=self.worker.num_threads if self.worker else 0,
             worker_thread_switches_total=self.thread_switches,
             scheduler_busy_s_total=self.busy_s,
+            scheduler_cpu_s_total=time.process_time(),
             bad_messages_total=self.bad_messages,
             workers_lost_total=self.workers_lost,
         )

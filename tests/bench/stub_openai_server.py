@@ -77,6 +77,8 @@ class StubOpenAIServer:
             f"nanoserve:grammar_masked_tokens_total {self.grammar_tokens}\n"
             f"nanoserve:grammar_mask_fill_seconds_total {self.grammar_tokens * 8e-6}\n"
             f"nanoserve:grammar_mask_apply_seconds_total {self.grammar_tokens * 2e-6}\n"
+            f"nanoserve:frontend_cpu_seconds_total {len(self.bodies) * 0.004}\n"
+            f"nanoserve:scheduler_cpu_seconds_total {len(self.bodies) * 0.002}\n"
         )
         return web.Response(text=text, content_type="text/plain")
 

@@ -59,6 +59,10 @@ async def test_fixed_concurrency_run_measures_the_scripted_stream():
     assert report["scheduler_ms_per_step"] == pytest.approx(0.01)
     # Its resident memory grows a MiB per request body: 2 warmups before, 12 timed ones after.
     assert (report["worker_rss_mib_start"], report["worker_rss_mib_end"]) == (102.0, 114.0)
+    # Its CPU seconds grow by 4 ms (frontend) and 2 ms (scheduler) a request: 12 requests of 8
+    # tokens.
+    assert report["frontend_cpu_us_per_token"] == pytest.approx(12 * 4000 / 96)
+    assert report["scheduler_cpu_us_per_token"] == pytest.approx(12 * 2000 / 96)
 
 
 async def test_failures_are_counted_not_raised():
