@@ -71,6 +71,9 @@ COLUMNS = (
     ("median TPOT ms", "tpot_median", "{:.1f}"),
     ("worker busy", "worker_busy_ratio", "{:.0%}"),
     ("sched. ms/step", "scheduler_ms_per_step", "{:.2f}"),
+    # CPU a token outside the worker: the frontend's and the scheduler's processes.
+    ("frontend CPU us/tok", "frontend_cpu_us_per_token", "{:.0f}"),
+    ("sched. CPU us/tok", "scheduler_cpu_us_per_token", "{:.0f}"),
     ("worker RSS MiB start", "worker_rss_mib_start", "{:.0f}"),
     ("end", "worker_rss_mib_end", "{:.0f}"),
     ("failed", "failed", "{}"),
@@ -371,6 +374,8 @@ MEDIAN_KEYS = (
     "tpot_median",
     "worker_busy_ratio",
     "scheduler_ms_per_step",
+    "frontend_cpu_us_per_token",
+    "scheduler_cpu_us_per_token",
 )
 
 

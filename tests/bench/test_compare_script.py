@@ -36,6 +36,8 @@ def test_table_has_one_line_per_row_and_dashes_for_missing_cells():
             "tpot_median": 33.0,
             "worker_busy_ratio": 0.973,
             "scheduler_ms_per_step": 0.4567,
+            "frontend_cpu_us_per_token": 412.6,
+            "scheduler_cpu_us_per_token": 388.2,
             "worker_rss_mib_start": 700.4,
             "worker_rss_mib_end": 701.6,
             "failed": 0,
@@ -45,11 +47,12 @@ def test_table_has_one_line_per_row_and_dashes_for_missing_cells():
     lines = compare.format_table(rows).splitlines()
     assert len(lines) == 4
     assert lines[2] == (
-        "| nanoserve | bfloat16 | 32 | 812.3 | 95 | 31.2 | 60.0 | 33.0 | 97% | 0.46 | 700 | 702 "
-        "| 0 |"
+        "| nanoserve | bfloat16 | 32 | 812.3 | 95 | 31.2 | 60.0 | 33.0 | 97% | 0.46 | 413 | 388 "
+        "| 700 | 702 | 0 |"
     )
     assert lines[3] == (
-        "| transformers static b32 | float32 | - | 164.0 | - | - | - | - | - | - | - | - | - |"
+        "| transformers static b32 | float32 | - | 164.0 | - | - | - | - | - | - | - | - | - | - "
+        "| - |"
     )
 
 
