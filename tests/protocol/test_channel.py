@@ -27,6 +27,20 @@ def _beat(sender: str) -> bytes:
     return msgspec.msgpack.encode(Heartbeat(sender=sender, time=0.0))
 
 
+def _connected(context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket, bytes]:
+    """A ROUTER and a DEALER connected to it, and the DEALER's identity at the ROUTER (learnt
+    from one message, so the ROUTER can send to it)."""
+    address = _address()
+    router = context.socket(zmq.ROUTER)
+    router.bind(address)
+    dealer = _dealer(context)
+    dealer.connect(address)
+    dealer.send(_beat("hello"))
+    assert router.poll(5000)
+    peer, _ = router.recv_multipart()
+    return router, dealer, peer
+
+
 def _dealer(context: zmq.Context) -> zmq.Socket:
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
@@ -84,15 +98,7 @@ async def test_watch_calls_back_for_every_message_and_bad_frame_then_stops() -> 
     context = zmq.Context()
     loop = asyncio.get_running_loop()
     try:
-        address = _address()
-        router = context.socket(zmq.ROUTER)
-        router.bind(address)
-        dealer = _dealer(context)
-        dealer.connect(address)
-        sender: Channel[FrontendToScheduler] = Channel(dealer, FrontendToScheduler)
-        assert sender.try_send(Heartbeat(sender="f", time=0.0))
-        assert router.poll(5000)
-        peer, _ = Channel(router, FrontendToScheduler).recv()
+        router, dealer, peer = _connected(context)
         receiver: Channel[SchedulerToFrontend] = Channel(dealer, SchedulerToFrontend)
         router.send_multipart([peer, _beat("before")])
         assert dealer.poll(5000)  # queued before the watch begins
@@ -121,17 +127,10 @@ async def test_watch_reads_a_message_whose_wake_up_another_call_took() -> None:
     context = zmq.Context()
     loop = asyncio.get_running_loop()
     try:
-        address = _address()
-        router = context.socket(zmq.ROUTER)
-        router.bind(address)
-        dealer = _dealer(context)
-        dealer.connect(address)
+        router, dealer, peer = _connected(context)
         channel: Channel[SchedulerToFrontend] = Channel(dealer, SchedulerToFrontend)
         got: asyncio.Queue[object] = asyncio.Queue()
         channel.watch(loop, lambda p, message: got.put_nowait(message), got.put_nowait)
-        assert channel.try_send(Heartbeat(sender="f", time=0.0))
-        assert router.poll(5000)
-        peer, _ = Channel(router, FrontendToScheduler).recv()
         for _ in range(3):  # the loop runs what it has queued: drains, readiness already seen
             await asyncio.sleep(0)
         router.send_multipart([peer, _beat("hidden")])
