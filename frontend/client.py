@@ -4,8 +4,7 @@ A reader callback in the event loop (``Channel.watch``) routes each RequestOutpu
 of the HTTP request that owns it, so every request coroutine is woken with its own tokens only.
 The client says hello on every (re)connection and every heartbeat period while it has not heard
 from the scheduler, so a restarted scheduler learns about it. When the scheduler disconnects or
-stays silent longer than ``scheduler_timeout``, every in-flight request gets ``SchedulerLost``
-and new ones get 503.
+is silent past ``scheduler_timeout``, in-flight requests get ``SchedulerLost``, new ones 503.
 """
 
 from __future__ import annotations
@@ -83,9 +82,8 @@ class SchedulerClient:
     async def start(self) -> None:
         """Connect, watch the socket, and start the monitor and heartbeat tasks."""
         self._context = zmq.asyncio.Context()
-        # A plain socket, not a zmq.asyncio one: ``Channel.watch`` reads it with one reader
-        # callback and no future per message (a zmq.asyncio socket registers a reader of its own
-        # on the same descriptor). Its monitor is read as a zmq.asyncio socket.
+        # A plain socket for ``Channel.watch`` (a zmq.asyncio one registers its own reader on the
+        # same descriptor); its monitor is read as a zmq.asyncio socket.
         socket = zmq.Context.shadow(self._context.underlying).socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         # Queue nothing for a scheduler that is not connected: a stale AddRequest must never
@@ -111,13 +109,12 @@ class SchedulerClient:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        if self._channel is not None:
+        if self._channel is not None:  # made through a shadow context: destroy() misses it
             self._channel.unwatch()
-            # Made through a shadow context, so destroy() below does not know it.
             self._channel.socket.close(linger=0)
         if self._context is not None:
-            # destroy() closes every socket of the context it made (the monitor pair included)
-            # with linger 0, so closing can never block on undelivered messages.
+            # Every socket is closed with linger 0 by now (the monitor by ``_watch``), so
+            # terminating can never block on undelivered messages.
             self._context.destroy(linger=0)
             self._context = None
         self._channel = None
