@@ -51,3 +51,14 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=env("model"), help="GGUF file or model directory (default: SmolLM2-135M)"
     )
+
+
+def add_pin_cpu_arg(parser: argparse.ArgumentParser) -> None:
+    """--pin-cpu: the frontend and the scheduler run on the last CPU they may use."""
+    parser.add_argument(
+        "--pin-cpu",
+        action=argparse.BooleanOptionalAction,
+        default=env("pin_cpu", True, bool),
+        help="run on the last CPU this process may use, where the worker's steps meet it "
+        "least (default: on; protocol/cpus.py)",
+    )

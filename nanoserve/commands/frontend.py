@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import os
 
-from nanoserve.options import add_address_args, add_model_arg, addresses_from
+from nanoserve.options import add_address_args, add_model_arg, add_pin_cpu_arg, addresses_from
 
 _ENV = "NANOSERVE_"
 
@@ -24,6 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", default=_env("TOKENIZER"), help="tokenizer model (--model)")
     p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"))
     add_address_args(p)
+    add_pin_cpu_arg(p)
     p.add_argument(
         "--frontend-address",
         default=_env("FRONTEND_ADDRESS"),
@@ -86,4 +87,4 @@ def _run(args: argparse.Namespace) -> int:
         stall_timeout=args.stall_timeout,
         log_level=args.log_level,
     )
-    return run_frontend(config=config)
+    return run_frontend(config=config, pin_cpu=args.pin_cpu)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from nanoserve.options import add_address_args, addresses_from, env
+from nanoserve.options import add_address_args, add_pin_cpu_arg, addresses_from, env
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -13,6 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("scheduler", help="run the scheduler process")
     add_address_args(parser)
     add_scheduler_args(parser)
+    add_pin_cpu_arg(parser)
     parser.set_defaults(func=run)
 
 
@@ -60,6 +61,7 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the scheduler process until interrupted."""
+    from protocol.cpus import pin_to_last_cpu
     from scheduler.config import SchedulerConfig
     from scheduler.process import run_scheduler
 
@@ -75,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.worker_timeout <= 0:
         raise ValueError(f"--worker-timeout must be > 0, got {args.worker_timeout}")
+    if args.pin_cpu:
+        pin_to_last_cpu(logging.getLogger("nanoserve.scheduler"))
     return run_scheduler(
         config=config, addresses=addresses_from(args), worker_timeout=args.worker_timeout
     )
