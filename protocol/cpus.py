@@ -5,8 +5,9 @@ some hundred microseconds each time, on the cores the worker's threads are stepp
 to the kernel, each wake-up lands on whichever core it picks and preempts whichever worker
 thread runs there, and the process migrates between cores with cold caches. On one fixed
 CPU they always meet the same worker thread, and keep their caches. Measured on a 2-core
-machine at concurrency 1 (docs/performance.md): the inter-token latency 6-8% lower against
-llama.cpp's server in the same rounds, and the two processes' own CPU a token lower too.
+machine at concurrency 1 (docs/performance.md): the inter-token latency, over llama.cpp's
+server's in the same rounds, 3-8% lower on average in four sets of alternating starts; the
+machine's drift is of that size, and one set's medians went the other way.
 
 The worker is not pinned: beside a CPU-bound neighbour its thread governor drops to one
 thread, and that thread must be free to run on whichever core the neighbour leaves.
