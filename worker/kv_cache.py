@@ -15,9 +15,12 @@ layer would be a fresh mmap, and its page faults cost more than the copy itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from protocol.blocks import blocks_for
+from worker.host_pool import HostPool
 
 
 class KVCache:
@@ -39,13 +42,24 @@ class KVCache:
         self.block_size = block_size
         self.trash_block = num_blocks  # the one block past the ledger's
         shape = (num_layers, 2, n_kv_heads, num_blocks + 1, block_size, head_dim)
-        # zeros, not empty: every page is touched now, so the whole budget is resident from the
-        # start and memory stays flat however the blocks are later reused (with empty, reused
-        # blocks would keep touching new pages), and a budget too big fails at start.
-        self.pool = torch.zeros(shape, dtype=dtype, device=device)
+        # Zero from the start: a padded read of a block nothing wrote yet must see finite
+        # numbers. On the CPU the pages are backed behind serving (worker.host_pool); on a
+        # device, zeroed now.
+        self.host: HostPool | None = None
+        if torch.device(device).type == "cpu":
+            self.host = HostPool(shape, block_axis=3, dtype=dtype)
+            self.pool = self.host.tensor
+        else:
+            self.pool = torch.zeros(shape, dtype=dtype, device=device)
         flat = (num_layers, 2, n_kv_heads, (num_blocks + 1) * block_size, head_dim)
         self._flat = self.pool.view(flat)
         self._scratch: dict[str, torch.Tensor] = {}
+
+    def populate(self, after: Callable[[], object] | None = None) -> None:
+        """Make the whole pool resident in the background, once ``after`` returns (on the CPU;
+        a device's pool already is)."""
+        if self.host is not None:
+            self.host.populate(after)
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """Zero blocks as they join a row: a padded read of a block's unwritten tail must see

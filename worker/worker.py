@@ -92,6 +92,7 @@ class Worker:
         self.compile_job: BackgroundCompile | None = None
         if wants_compile(self):
             self.compiled, self.compile_job = start_compile(self, background_compile)
+        self.cache.populate(after=self.compile_job.wait if self.compile_job else None)
 
     def _shard_of(self, model_config) -> Shard | None:
         """What this rank reads of every tensor (None: all of it); ValueError for a group size
