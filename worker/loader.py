@@ -1,7 +1,7 @@
 """Load a checkpoint (Hugging Face directory or GGUF file) into a name -> tensor dict.
 
 A GGUF file is dequantized once and written, with its config, as a Hugging Face directory under
-the user's cache directory, keyed by the file's path, size and mtime; later starts read that
+the user's cache directory, keyed by the file's content (its SHA-256); later starts read that
 directory, which takes about a second instead of ten. The ranks of a tensor-parallel worker
 share it: the first to arrive converts under a file lock, the others wait and read it. Each rank
 reads only its ``Shard`` of every tensor.
@@ -10,6 +10,7 @@ reads only its ``Shard`` of every tensor.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -69,7 +70,7 @@ def gguf_to_hf_dir(files: ModelFiles, progress: bool = True) -> Path:
     """The cached Hugging Face directory for a GGUF file, converting it on first use."""
     source = files.source.resolve()
     stat = source.stat()
-    key = hashlib.sha256(f"{source}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    key = _content_key(source, stat.st_size, stat.st_mtime_ns)
     target = cache_root() / "gguf" / f"{source.stem}-{key[:16]}"
     if (target / "model.safetensors").is_file():
         return target
@@ -79,6 +80,15 @@ def gguf_to_hf_dir(files: ModelFiles, progress: bool = True) -> Path:
         if not (target / "model.safetensors").is_file():
             _convert_gguf(files, source, target, progress)
     return target
+
+
+@functools.lru_cache(maxsize=8)
+def _content_key(source: Path, size: int, mtime_ns: int) -> str:
+    """The file's SHA-256 (once a process for a given path, size and mtime): the same GGUF
+    installed again, in another clone's venv or by another wheel install, finds its conversion
+    (hashing the default 98 MB file takes 0.24 s here; converting it again took 74 s)."""
+    with open(source, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _convert_gguf(files: ModelFiles, source: Path, target: Path, progress: bool) -> None:

@@ -101,3 +101,31 @@ def test_ready_reports_geometry(tiny_dir):
     assert (ready.block_size, ready.num_blocks, ready.num_slots) == (4, 256, 8)
     assert (ready.vocab_size, ready.eos_token_ids, ready.max_model_len) == (256, [2], 512)
     assert (ready.device, ready.dtype) == ("cpu", "float32")
+
+
+def test_a_gguf_conversion_is_found_again_by_content(tmp_path, monkeypatch):
+    """The same file at another path (another clone's venv) reuses its conversion; other bytes
+    do not."""
+    import os
+
+    from worker import loader
+
+    monkeypatch.setenv("NANOSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    converted = []
+
+    def convert(files, source, target, progress):  # the real one dequantizes a whole model
+        converted.append(source)
+        target.mkdir(parents=True)
+        (target / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    tensors = np.ones(4, dtype=np.float32), np.full(4, 2.0, dtype=np.float32)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "c").mkdir()
+    first = write_gguf(tmp_path / "a" / "m.gguf", "llama", tensors[0])
+    again = write_gguf(tmp_path / "b" / "m.gguf", "llama", tensors[0])
+    other = write_gguf(tmp_path / "c" / "m.gguf", "llama", tensors[1])
+    os.utime(again.source, ns=(1, 1))  # another install's time stamps too
+    home = loader.gguf_to_hf_dir(first, progress=False)
+    assert loader.gguf_to_hf_dir(again, progress=False) == home
+    assert loader.gguf_to_hf_dir(other, progress=False) != home
+    assert converted == [first.source.resolve(), other.source.resolve()]
