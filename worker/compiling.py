@@ -9,8 +9,8 @@ in a thread of its own (a few seconds of tracing; its steps go on meanwhile) and
 with one assignment. A restarted worker, or the next start, finds the marker and only loads.
 
 The cache lives under ``<cache_root>/inductor/<key>``, the key naming everything that changes
-the graphs: torch's version, the model, the dtype, the 4-bit limit, the block size, the thread
-count and the source of the code that is traced.
+the graphs: torch's version and install directory, the model, the dtype, the 4-bit limit, the
+block size, the thread count and the source of the code that is traced.
 """
 
 from __future__ import annotations
@@ -66,6 +66,10 @@ def compile_dir(config: WorkerConfig, model_id: str, threads: int) -> Path:
         source.update((Path(__file__).parent / name).read_bytes())
     parts = (
         torch.__version__,
+        # Where torch is installed: inductor keys its C++ builds by their command line, which
+        # names torch's include directory, so another venv (a fresh clone's) rebuilt every C++
+        # kernel in the worker's own thread (136 s) behind a marker that said "warm".
+        str(Path(torch.__file__).resolve().parent),
         model_id,
         config.resolved_dtype,
         str(config.q4_max_tokens),

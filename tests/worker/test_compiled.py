@@ -252,3 +252,14 @@ def _assert_only_loaded(tiny_dir) -> None:
     marker_time = marker.stat().st_mtime
     newer = [f for f in marker.parent.rglob("*") if f.is_file() and f.stat().st_mtime > marker_time]
     assert not [f for f in newer if "locks" not in f.parts], newer
+
+
+def test_the_cache_key_names_where_torch_is_installed(tiny_dir, monkeypatch):
+    """Another venv's torch, even of the same version, gets a cache of its own: inductor's C++
+    builds are keyed by a command line that names torch's include directory."""
+    from worker.compiling import compile_dir
+
+    here = compile_dir(_config(tiny_dir), "m", 2)
+    assert compile_dir(_config(tiny_dir), "m", 2) == here
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/site-packages/torch/__init__.py")
+    assert compile_dir(_config(tiny_dir), "m", 2) != here
