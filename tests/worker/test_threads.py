@@ -146,7 +146,9 @@ def test_the_times_leave_out_threads_niced_by_the_worker(tmp_path: Path) -> None
         (tmp_path / task).mkdir()
         (tmp_path / task / "schedstat").write_text("5000000000 2000000000 7\n")
         (tmp_path / task / "stat").write_text(stat.format(task=task, priority=20 + nice, nice=nice))
-    assert thread_times(tmp_path) == {"100": (5.0, 2.0)}
+    assert thread_times(tmp_path, base_nice=0) == {"100": (5.0, 2.0)}
+    # A worker started under `nice 19` has every thread at 19: all of them count.
+    assert thread_times(tmp_path, base_nice=19) == {"100": (5.0, 2.0), "101": (5.0, 2.0)}
 
 
 def test_a_real_thread_at_nice_19_is_left_out() -> None:
