@@ -33,9 +33,10 @@ one pass (``csrc/rotary.cpp``), where torch takes a roll, two multiplies and an 
 the sampler's greedy choices.
 
 The sources compile with ``torch.utils.cpp_extension`` into nanoserve's cache directory, in a
-directory named by the torch version and a hash of the sources and flags, and load from there
-afterwards: a changed source, header, flag or torch version builds anew, and every checkout of
-the same sources shares one build. On a CPU without AVX-512, or where the build fails,
+directory named by the torch version and a hash of the sources, flags and torch's build, and
+load from there afterwards without ninja: a changed source, header, flag or torch build builds
+anew, and every checkout and virtual environment with the same sources and the same torch
+shares one build. On a CPU without AVX-512, or where the build fails,
 ``available()`` is False and callers keep their torch code.
 """
 
@@ -65,6 +66,9 @@ BF16_SOURCES = [
 # And where it also has AVX512-VNNI.
 VNNI_SOURCES = [_CSRC / "w4a8_linear.cpp"]
 HEADER = _CSRC / "simd.h"  # included by the sources
+# Written in a build directory once its library is built and loaded: later processes load it
+# as it is.
+BUILT = "nanoserve_kernels.built"
 # What the kernels' instructions need, as /proc/cpuinfo names them.
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 _CFLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
@@ -154,6 +158,14 @@ def _load() -> Path:
     # here is stale.
     with open(build / "build.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
+        library = build / "nanoserve_kernels.so"
+        if (build / BUILT).exists() and library.exists():
+            # Built whole by an earlier process (maybe another venv's: its ninja file names
+            # that venv's torch, and ninja would rebuild for that alone). The library names
+            # torch's libraries by soname only, and this process has them loaded already.
+            torch.ops.load_library(str(library))
+            _register_fakes()
+            return build
         if (build / "lock").exists():
             log.warning("removed a kernel build's stale lock (a build was killed): %s", build)
             (build / "lock").unlink()
@@ -168,18 +180,21 @@ def _load() -> Path:
             is_python_module=False,
             verbose=False,
         )
+        (build / BUILT).write_text(f"built against {torch_dir()}\n")
     _register_fakes()
     return build
 
 
 def build_dir() -> Path:
     """The directory this process's kernels are built in: one per set of sources, flags and
-    torch installation, holding copies of the sources. Ninja rebuilds when a source's path
-    changes, not only its bytes, and when a command changes, and the commands name torch's
-    include and library directories: two checkouts, or two virtual environments, taking turns
-    on one directory rebuilt it at every start (a CI run from a clone, then ``make serve``:
-    35.9 s to /health). Resolved, because the tests reach the shared directory through a link
-    from a cache directory of their own."""
+    torch build, holding copies of the sources. Ninja rebuilds when a source's path changes,
+    not only its bytes, and when a command changes, and the commands name torch's include and
+    library directories: two checkouts, or two virtual environments, taking turns on one
+    directory rebuilt it at every start (a CI run from a clone, then ``make serve``: 35.9 s to
+    /health). So the sources are copies, and a finished build (``BUILT``) loads without ninja:
+    a fresh clone's new venv with the same torch finds it (it rebuilt for 48 s of its first
+    52.6 s start while the key named torch's directory). Resolved, because the tests reach the
+    shared directory through a link from a cache directory of their own."""
     return _build_dir(_sources(), cflags())
 
 
@@ -187,7 +202,7 @@ def _build_dir(sources: list[Path], flags: list[str]) -> Path:
     from protocol.model_files import cache_root
 
     flavour = "-bf16" if uses_bf16() else ""
-    digest = _digest([*sources, HEADER], flags, torch_dir())
+    digest = _digest([*sources, HEADER], flags, torch_build())
     kernels = cache_root() / "kernels"
     kernels.mkdir(parents=True, exist_ok=True)
     return kernels.resolve() / f"torch-{torch.__version__}{flavour}-{digest}"
@@ -198,19 +213,26 @@ def torch_dir() -> Path:
     return Path(torch.__file__).resolve().parent
 
 
+def torch_build() -> str:
+    """Which torch build the kernels compile against: its version, commit and C++ ABI. Two
+    installations that agree on these have the same headers and libraries."""
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return f"{torch.__version__} {torch.version.git_version} abi{abi}"
+
+
 def _sources() -> list[Path]:
     bf16 = BF16_SOURCES if uses_bf16() else []
     return SOURCES + bf16 + (VNNI_SOURCES if uses_vnni() else [])
 
 
-def _digest(paths: list[Path], flags: list[str], torch_at: Path) -> str:
+def _digest(paths: list[Path], flags: list[str], torch_built: str) -> str:
     """What a build depends on, hashed: each file's name and bytes (the sources and the header),
-    the flags and torch's location."""
+    the flags and torch's build (``torch_build``)."""
     digest = hashlib.sha256()
     for path in paths:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     digest.update("\0".join(flags).encode())
-    digest.update(b"\0" + str(torch_at).encode())
+    digest.update(b"\0" + torch_built.encode())
     return digest.hexdigest()[:16]
 
 

@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -682,7 +681,7 @@ def test_a_stale_build_lock_does_not_block_the_next_load(tmp_path):
     # (half a minute), but in a cache of its own.
     built = kernels._load()
     cache, build = tmp_path / "cache", tmp_path / "cache" / "kernels" / built.name
-    shutil.copytree(built, build, ignore=shutil.ignore_patterns("*.flock"))
+    shutil.copytree(built, build, ignore=shutil.ignore_patterns("*.flock", kernels.BUILT))
     (build / "lock").write_text("")  # what a SIGKILLed build leaves
     done = subprocess.run(
         [sys.executable, "-c", "from worker import kernels; kernels._load(); print('loaded')"],
@@ -697,16 +696,50 @@ def test_a_stale_build_lock_does_not_block_the_next_load(tmp_path):
 
 
 @pytest.mark.skipif(not kernels.available(), reason="needs the kernels built here")
-def test_another_torch_installation_builds_in_a_directory_of_its_own(monkeypatch):
-    """Ninja also rebuilds when a build command changes, and the commands name torch's include
-    and library directories: a clone's virtual environment and the user's must not take turns
-    on one build directory."""
+def test_another_torch_build_builds_in_a_directory_of_its_own(monkeypatch):
+    """Another torch version or commit has other headers: its kernels are built apart."""
     built = kernels._load()
     assert kernels.build_dir() == built
-    monkeypatch.setattr(kernels, "torch_dir", lambda: Path("/elsewhere/site-packages/torch"))
+    monkeypatch.setattr(kernels, "torch_build", lambda: "2.13.0 0123abc abi1")
     other = kernels.build_dir()
     assert other != built and other.parent == built.parent
     assert other.name.startswith(f"torch-{torch.__version__}")
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the kernels built here")
+def test_another_venv_with_the_same_torch_loads_the_build_without_ninja(tmp_path):
+    """A fresh clone's virtual environment installs the same torch elsewhere. Its build
+    commands name that directory, so ninja would rebuild a build made from another venv (48 s
+    of a fresh clone's first start): a finished build is loaded as it is."""
+    import shutil
+
+    built = kernels._load()
+    assert (built / kernels.BUILT).exists()
+    cache, build = tmp_path / "cache", tmp_path / "cache" / "kernels" / built.name
+    shutil.copytree(built, build, ignore=shutil.ignore_patterns("*.flock"))
+    # As the other venv's build left it: its commands name its own torch.
+    ninja = build / "build.ninja"
+    here = str(kernels.torch_dir())
+    assert here in ninja.read_text()
+    ninja.write_text(ninja.read_text().replace(here, "/elsewhere/site-packages/torch"))
+    library = build / "nanoserve_kernels.so"
+    before = library.stat().st_mtime_ns
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch; from worker import kernels; print(kernels._load()); "
+            "print(torch.ops.nanoserve.argmax(torch.tensor([[0.0, 2.0, 1.0]])).item())",
+        ],
+        env={**os.environ, "NANOSERVE_CACHE_DIR": str(cache)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [str(build.resolve()), "1"]
+    assert library.stat().st_mtime_ns == before, "the build was compiled again"
+    assert "/elsewhere/" in ninja.read_text(), "ninja ran"
 
 
 @pytest.mark.skipif(not kernels.available(), reason="needs the kernels built here")
