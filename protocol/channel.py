@@ -15,11 +15,14 @@ more than everything else the frontend does with a token (docs/performance.md).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import msgspec
 import zmq
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -135,7 +138,9 @@ class Channel(Generic[T]):
         """Deliver every queued message. ZeroMQ's file descriptor is edge-triggered: it becomes
         readable when the socket's state changes, not while a message waits, so each wake-up
         reads while the socket's events say one waits. Any operation on the socket may take
-        the edge of a message it did not read (``try_send`` therefore drains after sending)."""
+        the edge of a message it did not read (``try_send`` therefore drains after sending).
+        So a callback that raises is logged and the drain goes on: the messages behind it would
+        otherwise wait for an edge that may never come."""
         while self._loop is not None and self.waiting():
             frames = self.socket.recv_multipart()
             try:
@@ -143,7 +148,12 @@ class Channel(Generic[T]):
             except BadMessage as exc:
                 self._on_bad(exc)
                 continue
-            self._on_message(peer, message)
+            try:
+                self._on_message(peer, message)
+            except Exception:
+                log.exception(
+                    "the handler of a %s failed; later messages still come", type(message).__name__
+                )
 
     async def asend(self, message: msgspec.Struct, peer: bytes | None = None) -> None:
         """``send`` for a ``zmq.asyncio`` socket."""

@@ -120,6 +120,33 @@ async def test_watch_calls_back_for_every_message_and_bad_frame_then_stops() -> 
         context.destroy(linger=0)
 
 
+async def test_watch_goes_on_after_a_callback_that_raises(caplog) -> None:
+    """A failing callback is logged, and the messages queued behind it are still delivered in
+    the same wake-up: the descriptor is edge-triggered, and no new edge may ever come."""
+    context = zmq.Context()
+    loop = asyncio.get_running_loop()
+    got: asyncio.Queue[object] = asyncio.Queue()
+
+    def on_message(peer: bytes | None, message: object) -> None:
+        if message == Heartbeat(sender="boom", time=0.0):
+            raise RuntimeError("a handler's bug")
+        got.put_nowait(message)
+
+    try:
+        router, dealer, peer = _connected(context)
+        receiver: Channel[SchedulerToFrontend] = Channel(dealer, SchedulerToFrontend)
+        router.send_multipart([peer, _beat("boom")])
+        router.send_multipart([peer, _beat("next")])
+        assert dealer.poll(5000)  # takes the edge: only the watch's first drain reads them
+        receiver.watch(loop, on_message, got.put_nowait)
+        assert await asyncio.wait_for(got.get(), 5) == Heartbeat(sender="next", time=0.0)
+        assert "the handler of a Heartbeat failed" in caplog.text
+        assert "a handler's bug" in caplog.text
+        receiver.unwatch()
+    finally:
+        context.destroy(linger=0)
+
+
 async def test_watch_reads_a_message_whose_wake_up_another_call_took() -> None:
     """ZeroMQ's descriptor is edge-triggered: a call on the socket that processes its commands
     (a send, a poll) can take the edge of a message it does not read. The next ``try_send``
