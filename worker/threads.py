@@ -17,9 +17,10 @@ scheduler wake in short bursts and cost a few percent. Threads that barely ran i
 (ZeroMQ's, the heartbeat) are left out: they wait on every wake-up, whatever the load. So are
 threads the worker niced below its own priority (``worker.host_pool``'s, at nice 19): they
 wait whenever the steps run, and counting one took the worker to one thread beside nothing.
-Above ``threshold`` the governor drops to one thread. One thread cannot see whether the
-neighbour left (it has a core of its own), so after ``backoff_s`` it probes: the full count
-for one window or ``probe_steps`` steps, whichever is shorter, kept if the share stays under
+Above
+``threshold`` the governor drops to one thread. One thread cannot see whether the neighbour
+left (it has a core of its own), so after ``backoff_s`` it probes: the full count for one
+window or ``probe_steps`` steps, whichever is shorter, kept if the share stays under
 ``free_below``, else one thread again and a doubled backoff (at most ``max_backoff_s``), so a
 neighbour that stays costs a probe a minute at most.
 """
