@@ -9,10 +9,15 @@ Once the worker has loaded its compiled steps (they load faster without it), a t
 kernel to back the pages (``MADV_POPULATE_WRITE``, Linux 5.14), the low block ids first, since
 the allocator hands those out first. Populating never changes a page's contents, so it needs no
 coordination with the steps writing K/V meanwhile; a step that meets a page not yet populated
-faults it in itself, as any first write would. The thread runs at the lowest priority, so it
-takes the CPU only where the steps leave it idle. Once it is done, the whole budget is resident
-and memory stays flat however blocks are reused. On a kernel without the call, pages are backed
-as blocks are first written.
+faults it in itself, as any first write would. The thread backs pages only while the worker is
+idle (``busy``, asked before each call of half a MiB), so it takes no CPU from the steps. Once
+it is done, the whole budget is resident and memory stays flat however blocks are reused. On a
+kernel without the call, pages are backed as blocks are first written.
+
+The thread runs at the process's own priority, not niced. The last thread of a killed process
+to exit unmaps its memory, gigabytes here: a thread at nice 19 on a busy machine got so little
+CPU that a SIGKILLed worker took 62 s to die (ad hoc), holding its memory while its
+replacement started.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ log = logging.getLogger("worker")
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module does not name it before 3.13
 _BLOCKS_A_CALL = 256  # with 2 KiB a block and slice, 512 KiB a madvise: a short syscall
+_BUSY_RECHECK_S = 0.05  # how long the thread waits before asking ``busy`` again
 
 
 class HostPool:
@@ -51,18 +57,23 @@ class HostPool:
         block_bytes = numel * element // slices // shape[block_axis]
         self._geometry = (slices, shape[block_axis], block_bytes)
         self.resident = threading.Event()
-        self.populate_s: float | None = None
+        self.populate_s: float | None = None  # from the first call to the last, waits included
+        self.waited_s = 0.0  # of which waiting for the worker to be idle
 
-    def populate(self, after: Callable[[], object] | None = None) -> None:
-        """Start backing every page in a thread, once ``after`` (if given) returns; returns at
-        once. Until then, pages are backed as steps first write them."""
+    def populate(
+        self, after: Callable[[], object] | None = None, busy: Callable[[], bool] | None = None
+    ) -> None:
+        """Start backing every page in a thread, once ``after`` (if given) returns, and only
+        while ``busy`` (if given) says False; returns at once. Until then, pages are backed as
+        steps first write them."""
         threading.Thread(
-            target=self._populate, args=(after,), name="kv-populate", daemon=True
+            target=self._populate, args=(after, busy), name="kv-populate", daemon=True
         ).start()
 
-    def _populate(self, after: Callable[[], object] | None) -> None:
+    def _populate(
+        self, after: Callable[[], object] | None, busy: Callable[[], bool] | None
+    ) -> None:
         """Back every page, a run of blocks at a time across all slices, lowest ids first."""
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only
         if after is not None:
             after()
         slices, blocks, block_bytes = self._geometry
@@ -76,6 +87,10 @@ class HostPool:
             for first in range(0, blocks, _BLOCKS_A_CALL):
                 end = min(blocks, first + _BLOCKS_A_CALL) * block_bytes
                 for index in range(slices):
+                    while busy is not None and busy():
+                        paused = time.perf_counter()
+                        time.sleep(_BUSY_RECHECK_S)
+                        self.waited_s += time.perf_counter() - paused
                     start = base + index * slice_bytes + first * block_bytes
                     aligned = start - start % page  # madvise wants a page-aligned start
                     length = base + index * slice_bytes + end - aligned
@@ -88,9 +103,10 @@ class HostPool:
                         return
             self.populate_s = time.perf_counter() - began
             log.info(
-                "KV pool resident: %.1f GiB backed in %.1f s",
+                "KV pool resident: %.1f GiB backed in %.1f s (%.1f s of it waiting for idle)",
                 slices * slice_bytes / 2**30,
                 self.populate_s,
+                self.waited_s,
             )
         finally:
             self.resident.set()

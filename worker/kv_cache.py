@@ -55,11 +55,13 @@ class KVCache:
         self._flat = self.pool.view(flat)
         self._scratch: dict[str, torch.Tensor] = {}
 
-    def populate(self, after: Callable[[], object] | None = None) -> None:
-        """Make the whole pool resident in the background, once ``after`` returns (on the CPU;
-        a device's pool already is)."""
+    def populate(
+        self, after: Callable[[], object] | None = None, busy: Callable[[], bool] | None = None
+    ) -> None:
+        """Make the whole pool resident in the background, once ``after`` returns and while
+        ``busy`` says False (on the CPU; a device's pool already is)."""
         if self.host is not None:
-            self.host.populate(after)
+            self.host.populate(after, busy)
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """Zero blocks as they join a row: a padded read of a block's unwritten tail must see

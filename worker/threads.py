@@ -14,10 +14,8 @@ a CPU, time waiting for one), over every ``window_s`` of stepping; a window that
 idle decides nothing. A neighbour that holds a core makes the threads beside it wait about half
 of the time (measured: 0.47 of every second each, both taking turns); our own frontend and
 scheduler wake in short bursts and cost a few percent. Threads that barely ran in the window
-(ZeroMQ's, the heartbeat) are left out: they wait on every wake-up, whatever the load. So are
-threads the worker niced below its own priority (``worker.host_pool``'s, at nice 19): they
-wait whenever the steps run, and counting one took the worker to one thread beside nothing.
-Above
+(ZeroMQ's, the heartbeat) are left out: they wait on every wake-up, whatever the load. The KV
+pool's populating thread runs only while no step does (``worker.host_pool``). Above
 ``threshold`` the governor drops to one thread. One thread cannot see whether the neighbour
 left (it has a core of its own), so after ``backoff_s`` it probes: the full count for one
 window or ``probe_steps`` steps, whichever is shorter, kept if the share stays under
@@ -41,19 +39,14 @@ log = logging.getLogger("nanoserve.worker")
 Times = dict[str, tuple[float, float]]  # thread id -> (seconds on a CPU, seconds waiting)
 
 
-def thread_times(
-    task_dir: Path = Path("/proc/self/task"), base_nice: int | None = None
-) -> Times | None:
-    """Each thread's seconds on a CPU and seconds runnable but waiting for one, but for threads
-    niced beyond ``base_nice`` (default: the process's main thread's); None where the kernel
-    does not say (not Linux, or a kernel built without schedstats)."""
+def thread_times(task_dir: Path = Path("/proc/self/task")) -> Times | None:
+    """Each thread's seconds on a CPU and seconds runnable but waiting for one; None where the
+    kernel does not say (not Linux, or a kernel built without schedstats)."""
     times: Times = {}
     try:
         tasks = os.listdir(task_dir)
     except OSError:
         return None
-    if base_nice is None:  # a worker started under `nice` keeps its threads counted
-        base_nice = os.getpriority(os.PRIO_PROCESS, os.getpid())
     for task in tasks:
         try:
             fields = (task_dir / task / "schedstat").read_text().split()
@@ -61,19 +54,8 @@ def thread_times(
             continue
         if len(fields) < 2:
             return None
-        if _nice(task_dir / task) > base_nice:
-            continue  # one of our own background threads (the KV pool's): it waits by design
         times[task] = (int(fields[0]) / 1e9, int(fields[1]) / 1e9)
     return times
-
-
-def _nice(task: Path) -> int:
-    """A thread's nice value (field 19 of its ``stat``, counted after the parenthesized name,
-    which may hold spaces); 0 when it cannot be read."""
-    try:
-        return int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 def waiting_share(before: Times, after: Times, wall_s: float, busy: float = 0.1) -> float:

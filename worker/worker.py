@@ -41,6 +41,10 @@ from worker.threads import ThreadGovernor
 
 log = logging.getLogger("nanoserve.worker")
 
+# The worker counts as idle this long after its last step: at concurrency 1 the next request's
+# step follows the last one's within tens of ms (its HTTP round trip).
+IDLE_AFTER_S = 0.2
+
 
 class Worker:
     """Loads the model and sizes the cache from a ``WorkerConfig``; then ``execute`` steps."""
@@ -92,7 +96,9 @@ class Worker:
         self.compile_job: BackgroundCompile | None = None
         if wants_compile(self):
             self.compiled, self.compile_job = start_compile(self, background_compile)
-        self.cache.populate(after=self.compile_job.wait if self.compile_job else None)
+        self._in_step = False
+        self._step_ended = time.monotonic()
+        self.cache.populate(self.compile_job.wait if self.compile_job else None, self._busy)
 
     def _shard_of(self, model_config) -> Shard | None:
         """What this rank reads of every tensor (None: all of it); ValueError for a group size
@@ -195,7 +201,17 @@ class Worker:
 
     def execute(self, step: StepInput) -> StepResult:
         """Run one step: release rows, compute every item, sample where asked."""
-        return self.execute_with_logits(step)[0]
+        self._in_step = True
+        try:
+            return self.execute_with_logits(step)[0]
+        finally:
+            self._in_step = False
+            self._step_ended = time.monotonic()
+
+    def _busy(self) -> bool:
+        """Whether a step runs, or ran within ``IDLE_AFTER_S``: the KV pool's pages are backed
+        only outside that (``worker.host_pool``), so that backing them takes no CPU from steps."""
+        return self._in_step or time.monotonic() - self._step_ended < IDLE_AFTER_S
 
     def execute_with_logits(self, step: StepInput) -> tuple[StepResult, torch.Tensor]:
         """``execute``, also returning the float32 logits (S, vocab) of the sampled items."""

@@ -1,7 +1,11 @@
-"""The CPU K/V pool: zero before anything is written, backed behind serving without losing a
-write made meanwhile, and fully resident once the populating thread is done."""
+"""The CPU K/V pool: zero before anything is written, backed behind serving (only while the
+worker is idle) without losing a write made meanwhile, and fully resident once the populating
+thread is done."""
 
 from __future__ import annotations
+
+import os
+import threading
 
 import torch
 
@@ -46,3 +50,57 @@ def test_pool_is_zero_is_backed_in_the_background_and_keeps_early_writes():
     cache.pool[:, :, :, 4000].zero_()
     cache.pool[7, 1, 1, 17].zero_()
     assert int(torch.count_nonzero(cache.pool)) == 0  # every other element read as zero
+
+
+def _small_cache() -> KVCache:
+    """64 MiB: (layers 2, K/V 2, kv heads 2, blocks 4095 + 1, block 16, head_dim 64) bfloat16."""
+    return KVCache(
+        num_layers=2,
+        num_blocks=4095,
+        block_size=16,
+        n_kv_heads=2,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        device="cpu",
+    )
+
+
+def test_pages_are_backed_only_while_the_worker_is_idle():
+    before = rss_anon()
+    cache = _small_cache()
+    size = cache.pool.numel() * cache.pool.element_size()
+    busy, asked = [True], threading.Event()
+    calls = [0]
+
+    def is_busy() -> bool:
+        calls[0] += 1
+        if calls[0] == 3:  # the thread has waited out two rechecks
+            asked.set()
+        return busy[0]
+
+    cache.populate(busy=is_busy)
+    assert cache.host is not None and asked.wait(timeout=30)
+    assert not cache.host.resident.is_set()
+    assert rss_anon() - before < 4 * MIB, "pages were backed while a step ran"
+    busy[0] = False
+    assert cache.host.resident.wait(timeout=60)
+    assert cache.host.populate_s is not None, "MADV_POPULATE_WRITE refused on this kernel"
+    assert cache.host.waited_s > 0
+    grown = rss_anon() - before
+    assert grown > size - 16 * MIB, f"only {grown / MIB:.0f} MiB of {size / MIB:.0f} resident"
+
+
+def test_the_populating_thread_runs_at_the_process_priority():
+    """Not niced: the last thread of a killed process to exit unmaps its memory, and a nice-19
+    thread on a busy machine made a SIGKILLed worker take a minute to die (worker.host_pool)."""
+    cache = _small_cache()
+    release = threading.Event()
+    cache.populate(after=release.wait)
+    try:
+        threads = [thread for thread in threading.enumerate() if thread.name == "kv-populate"]
+        assert threads and threads[-1].native_id is not None
+        nice = os.getpriority(os.PRIO_PROCESS, threads[-1].native_id)
+        assert nice == os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    finally:
+        release.set()
+    assert cache.host is not None and cache.host.resident.wait(timeout=60)

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -138,41 +137,6 @@ def test_the_times_are_the_first_two_schedstat_fields(tmp_path: Path) -> None:
     (tmp_path / "101" / "schedstat").write_text("9\n")
     assert thread_times(tmp_path) is None
     assert thread_times(tmp_path / "missing") is None
-
-
-def test_the_times_leave_out_threads_niced_by_the_worker(tmp_path: Path) -> None:
-    stat = "{task} (kv populate) R 1 1 1 0 -1 0 0 0 0 0 7 3 0 0 {priority} {nice} 4 0 1\n"
-    for task, nice in (("100", 0), ("101", 19)):
-        (tmp_path / task).mkdir()
-        (tmp_path / task / "schedstat").write_text("5000000000 2000000000 7\n")
-        (tmp_path / task / "stat").write_text(stat.format(task=task, priority=20 + nice, nice=nice))
-    assert thread_times(tmp_path, base_nice=0) == {"100": (5.0, 2.0)}
-    # A worker started under `nice 19` has every thread at 19: all of them count.
-    assert thread_times(tmp_path, base_nice=19) == {"100": (5.0, 2.0), "101": (5.0, 2.0)}
-
-
-def test_a_real_thread_at_nice_19_is_left_out() -> None:
-    if thread_times() is None:
-        pytest.skip("needs /proc/self/task/*/schedstat")
-    niced, done = threading.Event(), threading.Event()
-    ids: list[int] = []
-
-    def background() -> None:
-        ids.append(threading.get_native_id())
-        os.setpriority(os.PRIO_PROCESS, ids[0], 19)  # this thread only
-        niced.set()
-        done.wait(10)
-
-    thread = threading.Thread(target=background)
-    thread.start()
-    try:
-        assert niced.wait(10)
-        times = thread_times()
-        assert times is not None and str(ids[0]) not in times
-        assert str(threading.get_native_id()) in times
-    finally:
-        done.set()
-        thread.join(10)
 
 
 def test_the_share_counts_only_threads_busy_in_the_window() -> None:
