@@ -146,16 +146,10 @@ def put_ninja_on_path() -> None:
 @functools.cache  # once per process: a second library registering ``nanoserve`` would abort
 def _load() -> Path:
     """Build (or find built) and load the kernels; the directory they live in."""
-    from torch.utils import cpp_extension
-
-    put_ninja_on_path()
     sources, flags = _sources(), cflags()
     build = _build_dir(sources, flags)
     build.mkdir(parents=True, exist_ok=True)
-    # cpp_extension serializes builders with a ``lock`` file that a killed build leaves behind,
-    # and every later process then waits on it forever. An flock is released by the kernel when
-    # its holder dies: holding it, no other nanoserve process is building, so a ``lock`` found
-    # here is stale.
+    # Held while loading too, so a build in progress is never loaded half-written.
     with open(build / "build.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         library = build / "nanoserve_kernels.so"
@@ -164,25 +158,37 @@ def _load() -> Path:
             # that venv's torch, and ninja would rebuild for that alone). The library names
             # torch's libraries by soname only, and this process has them loaded already.
             torch.ops.load_library(str(library))
-            _register_fakes()
-            return build
-        if (build / "lock").exists():
-            log.warning("removed a kernel build's stale lock (a build was killed): %s", build)
-            (build / "lock").unlink()
-        copies = _copy_sources(build / "src", sources)
-        _copy_sources(build / "src", [HEADER])  # included by the sources, not listed
-        cpp_extension.load(
-            name="nanoserve_kernels",
-            sources=[str(copy) for copy in copies],
-            extra_cflags=flags,
-            extra_ldflags=list(_OPENMP),  # a copy: load() appends torch's libraries to it
-            build_directory=str(build),
-            is_python_module=False,
-            verbose=False,
-        )
-        (build / BUILT).write_text(f"built against {torch_dir()}\n")
+        else:
+            _build(build, sources, flags)
     _register_fakes()
     return build
+
+
+def _build(build: Path, sources: list[Path], flags: list[str]) -> None:
+    """Compile and load the kernels in ``build``, then mark it built. The caller holds the
+    directory's flock."""
+    from torch.utils import cpp_extension
+
+    put_ninja_on_path()
+    # cpp_extension serializes builders with a ``lock`` file that a killed build leaves behind,
+    # and every later process then waits on it forever. An flock is released by the kernel when
+    # its holder dies: holding it, no other nanoserve process is building, so a ``lock`` found
+    # here is stale.
+    if (build / "lock").exists():
+        log.warning("removed a kernel build's stale lock (a build was killed): %s", build)
+        (build / "lock").unlink()
+    copies = _copy_sources(build / "src", sources)
+    _copy_sources(build / "src", [HEADER])  # included by the sources, not listed
+    cpp_extension.load(
+        name="nanoserve_kernels",
+        sources=[str(copy) for copy in copies],
+        extra_cflags=flags,
+        extra_ldflags=list(_OPENMP),  # a copy: load() appends torch's libraries to it
+        build_directory=str(build),
+        is_python_module=False,
+        verbose=False,
+    )
+    (build / BUILT).write_text(f"built against {torch_dir()}\n")
 
 
 def build_dir() -> Path:
