@@ -32,12 +32,12 @@ _FUSED_PARTS = {  # the linears after ``fuse`` -> the checkpoint's matrices, sta
 
 
 def pack_for_cpu(model: LlamaModel) -> bool:
-    """Pre-pack every linear weight of ``model`` for oneDNN where that pays (CPU, bfloat16 or
-    float32, oneDNN present); returns whether it did. Call after the model reached its device."""
+    """Pre-pack every linear weight of ``model`` for oneDNN where that pays and oneDNN can (CPU,
+    float32, or bfloat16 where the CPU has what oneDNN's bfloat16 needs: ``onednn_packs``); the
+    others keep ``F.linear``. Returns whether ``model`` takes the CPU's layouts at all (CPU,
+    bfloat16 or float32), packed or not. Call after the model reached its device."""
     weight = model.model.embed_tokens.weight
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
-        return False
-    if not torch.backends.mkldnn.is_available():
         return False
     for module in model.modules():
         if isinstance(module, Linear):

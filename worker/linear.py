@@ -48,10 +48,14 @@ class Linear(nn.Linear):
         layer.bias = None if bias is None else _frozen(bias)
         return layer
 
-    def pack(self) -> None:
-        """Keep only the packed weight; the batch size hint (32) barely matters."""
+    def pack(self) -> bool:
+        """Keep only the packed weight, where oneDNN packs this dtype on this CPU
+        (``onednn_packs``); returns whether it did. The batch size hint (32) barely matters."""
+        if not onednn_packs(self.weight.dtype):
+            return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 32)
         self.weight = None
+        return True
 
     def attach_q4(self, parts: list[Q4Tensor], max_tokens: int, w4a8: bool = False) -> None:
         """Also keep this weight's 4-bit form (``parts`` stacked by rows, as ``fuse`` stacked
@@ -102,6 +106,17 @@ class Linear(nn.Linear):
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack a ``dtype`` weight on this CPU: float32 wherever torch has oneDNN;
+    bfloat16 only with AVX512 (BW, VL, DQ) or AVX-NE-CONVERT, and on a plain AVX2 CPU the
+    reorder raises rather than fall back."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32
 
 
 def pack_q4(parts: list[Q4Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

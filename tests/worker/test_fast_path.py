@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.kv_cache import KVCache
+from worker.linear import onednn_packs
 from worker.model import Linear, RMSNorm
 from worker.rope import apply_rotary, rotary_cos_sin
 
@@ -43,7 +44,11 @@ def test_packed_linear_matches_f_linear(dtype):
     layer = Linear.of(weight.clone(), bias.clone())
     x = torch.randn(5, 64, generator=gen).to(dtype)
     want = F.linear(x, weight, bias).float()
-    layer.pack()
+    if not onednn_packs(dtype):  # bfloat16 on a CPU without AVX-512: F.linear, not a crash
+        assert not layer.pack() and layer.packed is None
+        assert torch.equal(layer(x).float(), want)
+        return
+    assert layer.pack()
     assert layer.weight is None and layer.packed is not None
     got = layer(x).float()
     tol = 1e-5 if dtype == torch.float32 else 0.1

@@ -37,6 +37,9 @@ MAX_NEW = 48
 LOGIT_TOL = 5e-4  # float32 (7e-5 seen); logits are O(10), only summation order differs
 BF16_TOL = 1.5  # bfloat16 vs float32 max |logit difference| on the prompts' last tokens (0.87 seen)
 Q4_TOL = 3.0  # 4-bit decode steps vs float32, max |logit difference| (2.43 seen)
+# The same through torch's int4 kernel, where the CPU lacks AVX512-BF16 for nanoserve's: it takes
+# the scales rounded to bfloat16, not the file's float16 (3.06 and 97.6% seen on a Zen 3).
+Q4_TORCH_TOL = 3.5
 # 4-bit weights x 8-bit activations in the MLP, every step: measured 3.26 and 96.5% (1.80 and
 # 95.7% with the attention's projections 8-bit too); scripts/accuracy.py sets them beside
 # llama.cpp's, as log-probability errors (the free shift of the logits taken out).
@@ -166,8 +169,9 @@ def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts)
 
     one_at_a_time = [Driver(workers["q4"], eos=[]).run([request])[0] for request in forced()]
     all_at_once = Driver(workers["q4"], eos=[]).run(forced())
+    q4_tol = Q4_TOL if kernels.available() and kernels.uses_bf16() else Q4_TORCH_TOL
     for name, got, tol, share in (
-        ("4-bit, one at a time", one_at_a_time, Q4_TOL, 0.93),
+        ("4-bit, one at a time", one_at_a_time, q4_tol, 0.93),
         ("4-bit x 8-bit, all at once", all_at_once, W4A8_TOL, W4A8_AGREE),
     ):
         worst, agree, steps = 0.0, 0, 0
