@@ -61,7 +61,8 @@ class Linear(nn.Linear):
         """Also keep this weight's 4-bit form (``parts`` stacked by rows, as ``fuse`` stacked
         the float weights); steps of at most ``max_tokens`` tokens run on it. A small step
         does little but stream the weights, and 4 bits stream 4x fewer bytes than bfloat16
-        (the kernel computes in bfloat16, so only on CPU in bfloat16).
+        (the kernels compute in bfloat16; a float32 model's rows are rounded to it, and only
+        where ``auto`` chose float32: ``Worker._load_model``).
 
         With ``w4a8`` (and a CPU with AVX512-VNNI), bigger steps run on the same integers
         times their input quantized to 8 bits, and the bfloat16 matrix goes: a big step is
@@ -101,7 +102,11 @@ class Linear(nn.Linear):
                     out = out[:, : self.out_features].contiguous()
             else:
                 packed, scales_zeros = self.q4
-                out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_zeros)
+                # A float32 model's rows go in rounded to bfloat16, the scales' dtype: torch's
+                # kernel is vectorized for bfloat16 rows only (10-30x slower on float32 ones).
+                rows = x.to(scales_zeros.dtype)
+                out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, 32, scales_zeros)
+                out = out.to(x.dtype)
             return out if self.bias is None else out.add_(self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)

@@ -116,7 +116,11 @@ class Worker:
         self.model = self.model.to(self.device).eval()
         if self.config.generic_path or not pack_for_cpu(self.model):
             return
-        if self.dtype == torch.bfloat16 and self.config.q4_max_tokens and self.group.size == 1:
+        # bfloat16; or float32 that ``auto`` chose (a CPU without native bfloat16), whose small
+        # steps round their rows to bfloat16 for the 4-bit weights. An explicit float32 stays
+        # exact.
+        takes_q4 = self.dtype == torch.bfloat16 or self.config.dtype == "auto"
+        if takes_q4 and self.config.q4_max_tokens and self.group.size == 1:
             self._attach_q4(checkpoint.config.model_type)
 
     def _choose_kernels(self) -> None:

@@ -116,6 +116,29 @@ def test_q4_linear_computes_the_stacked_dequantized_matrix_on_small_steps_only(q
 
 
 @needs_onednn
+def test_a_float32_linear_rounds_its_small_steps_rows_for_torchs_4bit_kernel(monkeypatch):
+    """A float32 model where ``auto`` chose float32 (no native bfloat16): small steps give
+    float32 out of the 4-bit weights, from rows rounded to bfloat16 (torch's kernel is
+    vectorized for those only); bigger steps keep the exact float32 matrix."""
+    monkeypatch.setattr(kernels, "uses_bf16", lambda: False)
+    parts = [_random_q4(96, 128, seed) for seed in (2, 3)]
+    weight = torch.cat([_dequantized(p) for p in parts])  # (192, 128)
+    layer = Linear.of(weight.clone(), None)
+    layer.pack()
+    layer.attach_q4(parts, max_tokens=3)
+    assert not layer.q4_kernel
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(5))
+    small = layer(x[:3])
+    assert small.dtype == torch.float32
+    rounded = F.linear(x[:3].bfloat16().float(), weight)
+    assert (small - rounded).abs().max().item() < 0.01 * rounded.abs().max().item()
+    assert not torch.equal(small, F.linear(x[:3], weight))
+    large = layer(x)
+    layer.q4 = None
+    assert torch.equal(large, layer(x))
+
+
+@needs_onednn
 @pytest.mark.skipif(not kernels.uses_vnni(), reason="w4a8_linear needs AVX512-VNNI")
 def test_w4a8_takes_the_big_steps_and_the_bfloat16_matrix_goes(private_cache):
     """With ``w4a8``, steps over ``max_tokens`` rows multiply the same 4-bit integers by 8-bit

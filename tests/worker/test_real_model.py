@@ -14,7 +14,7 @@ import torch
 from conftest import hf_greedy, hf_logits, make_worker
 from driver import Driver, Request, greedy_requests
 
-from worker import kernels
+from worker import config, kernels
 from worker.attention import TorchBackend
 
 pytestmark = pytest.mark.slow
@@ -138,7 +138,7 @@ def test_bfloat16_close_to_float32(real_worker, real_prompts):
 
 
 @pytest.mark.slow
-def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts):
+def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts, monkeypatch):
     """Fed float32's own greedy tokens, one per step, the logits stay within Q4_TOL of float32's
     and pick the same token nearly always: one request at a time (every decode step on the
     4-bit weights in bfloat16, the prefills on them times 8-bit activations) and, with
@@ -169,18 +169,27 @@ def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts)
 
     one_at_a_time = [Driver(workers["q4"], eos=[]).run([request])[0] for request in forced()]
     q4_tol = Q4_TOL if kernels.available() and kernels.uses_bf16() else Q4_TORCH_TOL
-    runs = [("4-bit, one at a time", one_at_a_time, q4_tol, 0.93)]
+    runs = [("4-bit, one at a time", reference, one_at_a_time, q4_tol, 0.93)]
     if kernels.uses_vnni():  # elsewhere all at once is plain bfloat16: test_bfloat16_close_...
         all_at_once = Driver(workers["q4"], eos=[]).run(forced())
-        runs.append(("4-bit x 8-bit, all at once", all_at_once, W4A8_TOL, W4A8_AGREE))
-    for name, got, tol, share in runs:
+        runs.append(("4-bit x 8-bit, all at once", reference, all_at_once, W4A8_TOL, W4A8_AGREE))
+    # The float32 that ``auto`` picks on a CPU without native bfloat16 (simulated): small steps
+    # on the same 4-bit weights through torch's kernel, their rows rounded to bfloat16.
+    monkeypatch.setattr(config, "BF16_CPU_FLAGS", ("no-such-flag",))
+    monkeypatch.setattr(kernels, "uses_bf16", lambda: False)
+    auto = make_worker(None, block_size=16, num_blocks=512, num_slots=12, dtype="auto")
+    assert auto.dtype == torch.float32 and auto.q4_linears == 30 * 4 + 1
+    few = forced()[:4]
+    auto_runs = [Driver(auto, eos=[]).run([request])[0] for request in few]
+    runs.append(("float32 (auto), 4-bit small steps", reference[:4], auto_runs, Q4_TORCH_TOL, 0.93))
+    for name, wanted, got, tol, share in runs:
         worst, agree, steps = 0.0, 0, 0
-        for want, run in zip(reference, got, strict=True):
+        for want, run in zip(wanted, got, strict=True):
             for a, b in zip(want.logits[1:], run.logits[1:], strict=True):  # the decode steps
                 worst = max(worst, (a - b).abs().max().item())
                 agree += int(a.argmax() == b.argmax())
                 steps += 1
-        pairs = zip(reference, got, strict=True)
+        pairs = zip(wanted, got, strict=True)
         first = max((w.logits[0] - r.logits[0]).abs().max().item() for w, r in pairs)
         print(
             f"{name} vs float32: decode steps' max |logit diff| {worst:.2f}, argmax agrees"
