@@ -32,12 +32,18 @@ one pass (``csrc/rotary.cpp``), where torch takes a roll, two multiplies and an 
 ``torch.ops.nanoserve.argmax``: torch.argmax over float32 rows, vectorized (``csrc/argmax.cpp``);
 the sampler's greedy choices.
 
+``torch.ops.nanoserve.decode_attention_f32``: ``decode_attention`` over a float32 pool, in AVX2
+and FMA (``csrc/decode_attention_f32.cpp``): the float32 decodes of the same backend. It is the
+one operator built on a CPU without AVX-512 (``loaded()`` without ``available()``), where
+``auto`` serves float32.
+
 The sources compile with ``torch.utils.cpp_extension`` into nanoserve's cache directory, in a
 directory named by the torch version and a hash of the sources, flags and torch's build, and
 load from there afterwards without ninja: a changed source, header, flag or torch build builds
 anew, and every checkout and virtual environment with the same sources and the same torch
 shares one build. On a CPU without AVX-512, or where the build fails,
-``available()`` is False and callers keep their torch code.
+``available()`` is False and callers keep their torch code; on one with AVX2 and FMA,
+``loaded()`` may still be True (the float32 attention).
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ BF16_SOURCES = [
 ]
 # And where it also has AVX512-VNNI.
 VNNI_SOURCES = [_CSRC / "w4a8_linear.cpp"]
+# Built on every CPU with AVX2 and FMA, with the others or alone.
+AVX2_SOURCES = [_CSRC / "decode_attention_f32.cpp"]
 HEADER = _CSRC / "simd.h"  # included by the sources
 # Written in a build directory once its library is built and loaded: later processes load it
 # as it is.
@@ -72,6 +80,9 @@ BUILT = "nanoserve_kernels.built"
 # What the kernels' instructions need, as /proc/cpuinfo names them.
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
 _CFLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+# Where the CPU lacks AVX-512: only AVX2_SOURCES are built, for these.
+AVX2_FLAGS = ("avx2", "fma")
+_AVX2_CFLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma"]
 # at::parallel_for splits work over OpenMP threads only where the caller is built with OpenMP:
 # without it the kernels ran on one thread of the worker's two (its header's pragma ignored).
 # Linked against libgomp.so.1, the loader reuses the copy torch loaded (the same soname), so
@@ -96,8 +107,13 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_supports() -> bool:
-    """Whether this CPU has every instruction set the kernels are compiled for."""
+    """Whether this CPU has every instruction set the AVX-512 kernels are compiled for."""
     return set(CPU_FLAGS) <= cpu_flags()
+
+
+def cpu_supports_avx2() -> bool:
+    """Whether this CPU has what ``AVX2_SOURCES`` are compiled for (AVX2 and FMA)."""
+    return set(AVX2_FLAGS) <= cpu_flags()
 
 
 def uses_bf16() -> bool:
@@ -114,20 +130,31 @@ def uses_vnni() -> bool:
 
 def cflags() -> list[str]:
     """The compiler's flags for this CPU."""
+    if not cpu_supports():
+        return _AVX2_CFLAGS + _OPENMP
     bf16 = ["-mavx512bf16"] if uses_bf16() else []
     vnni = ["-mavx512vnni"] if uses_vnni() else []
     return _CFLAGS + _OPENMP + bf16 + vnni
 
 
-@functools.cache
 def available() -> bool:
-    """Whether ``torch.ops.nanoserve`` can run here; builds and loads it on the first call.
-    ``NANOSERVE_KERNELS=0`` turns it off."""
+    """Whether ``torch.ops.nanoserve``'s AVX-512 operators can run here (all but
+    ``decode_attention_f32``); builds and loads them on the first call."""
+    return cpu_supports() and loaded()
+
+
+@functools.cache
+def loaded() -> bool:
+    """Whether ``torch.ops.nanoserve`` is built and loaded here, with every operator or, on a CPU
+    with AVX2 but not AVX-512, with ``decode_attention_f32`` alone; builds and loads it on the
+    first call. ``NANOSERVE_KERNELS=0`` turns it off."""
     if os.environ.get("NANOSERVE_KERNELS", "1") == "0":
         return False
-    if not cpu_supports():
-        log.info("kernels: this CPU lacks AVX-512; the worker keeps torch's code")
+    if not cpu_supports_avx2():
+        log.info("kernels: this CPU lacks AVX2; the worker keeps torch's code")
         return False
+    if not cpu_supports():
+        log.info("kernels: this CPU lacks AVX-512; only the float32 attention is built")
     try:
         _load()
     except Exception as exc:  # a missing compiler must not stop the worker, only slow it
@@ -207,7 +234,7 @@ def build_dir() -> Path:
 def _build_dir(sources: list[Path], flags: list[str]) -> Path:
     from protocol.model_files import cache_root
 
-    flavour = "-bf16" if uses_bf16() else ""
+    flavour = "-bf16" if uses_bf16() else ("" if cpu_supports() else "-avx2")
     digest = _digest([*sources, HEADER], flags, torch_build())
     kernels = cache_root() / "kernels"
     kernels.mkdir(parents=True, exist_ok=True)
@@ -227,8 +254,10 @@ def torch_build() -> str:
 
 
 def _sources() -> list[Path]:
+    if not cpu_supports():
+        return list(AVX2_SOURCES)
     bf16 = BF16_SOURCES if uses_bf16() else []
-    return SOURCES + bf16 + (VNNI_SOURCES if uses_vnni() else [])
+    return SOURCES + bf16 + (VNNI_SOURCES if uses_vnni() else []) + AVX2_SOURCES
 
 
 def _digest(paths: list[Path], flags: list[str], torch_built: str) -> str:
@@ -261,6 +290,13 @@ def _copy_sources(directory: Path, paths: list[Path]) -> list[Path]:
 @functools.cache
 def _register_fakes() -> None:
     """Output shapes for tracing (``torch.compile``)."""
+
+    @torch.library.register_fake("nanoserve::decode_attention_f32")
+    def _(q, kv, layer, blocks, cached, block_size):
+        return q.new_empty(q.shape)
+
+    if not cpu_supports():
+        return
 
     @torch.library.register_fake("nanoserve::decode_attention")
     def _(q, kv, layer, blocks, cached, block_size):

@@ -13,6 +13,8 @@ from conftest import hf_logits, make_worker
 from driver import Driver, greedy_requests
 from test_tiny_exact import LOGIT_TOL, PROMPTS, check, reference
 
+from worker import kernels
+
 # The module's one compile runs in a child at nice 19, as the worker runs it. Beside the suite's
 # other test process it got only the CPU that process left: 200 s where alone it took 60.
 pytestmark = pytest.mark.serial
@@ -90,6 +92,20 @@ def test_compiled_matches_transformers(compiled_worker, tiny_reference, scenario
     check(compiled_worker, model, expected, scenario)
     # Most decode steps ran compiled (four prompts: every decode-only step has <= 4 rows).
     assert compiled_worker.compiled.steps - before >= 15
+
+
+@pytest.mark.skipif(not kernels.loaded(), reason="needs the kernels built here (AVX2)")
+def test_compiled_float32_decodes_read_the_pool_in_nanoserves_operator(compiled_worker):
+    """The graphs trace ``decode_attention_f32`` (its fake gives the shape) and call it, once a
+    layer (the profiler sees the dispatcher's calls, from a graph too)."""
+    compiled = compiled_worker.compiled
+    before = compiled.steps
+    with torch.inference_mode():
+        ids, positions, meta = compiled.trash_step(3)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            compiled(ids, positions, meta)
+    calls = sum(1 for event in profile.events() if event.name == "nanoserve::decode_attention_f32")
+    assert compiled.steps == before + 1 and calls == compiled_worker.spec.num_layers
 
 
 def test_a_thread_count_switch_keeps_the_steps_compiled(compiled_worker, tiny_reference):

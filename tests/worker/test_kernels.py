@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_cases import BLOCK, HEADS, case, reference
 from conftest import make_worker
 
 from worker import kernels
@@ -33,58 +34,13 @@ def built(private_cache):
         pytest.skip("needs AVX-512 and a C++ compiler (worker.kernels)")
 
 
-BLOCK = 16
-
-
-def _reference(q, kv, layer, blocks, cached):
-    """float64 softmax attention of each row over its cached slots, then its own new k/v."""
-    batch, nq, hd = q.shape
-    n_kv = layer.shape[1]
-    group = nq // n_kv
-    out = torch.empty(batch, nq, hd, dtype=torch.float64)
-    for b in range(batch):
-        slots = [int(blocks[b, t // BLOCK]) * BLOCK + t % BLOCK for t in range(int(cached[b]))]
-        for h in range(n_kv):
-            keys = torch.cat([layer[0, h, slots], kv[b, 0, h][None]]).double()  # (L + 1, hd)
-            values = torch.cat([layer[1, h, slots], kv[b, 1, h][None]]).double()
-            queries = q[b, h * group : (h + 1) * group].double()  # (group, hd)
-            weights = torch.softmax(queries @ keys.T / hd**0.5, dim=-1)
-            out[b, h * group : (h + 1) * group] = weights @ values
-    return out
-
-
-def _case(n_kv: int, nq: int, hd: int, lengths: list[int], seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = 48
-    layer = torch.randn(2, n_kv, num_blocks * BLOCK, hd, generator=gen).bfloat16()
-    width = max(-(-(n + 1) // BLOCK) for n in lengths) + 1  # padded tables, as the worker's
-    blocks = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in lengths])
-    # q and kv as the model passes them: strided views of one qkv output.
-    qkv = torch.randn(len(lengths), nq + 2 * n_kv, hd, generator=gen).bfloat16()
-    q, kv = qkv[:, :nq], qkv[:, nq:].view(len(lengths), 2, n_kv, hd)
-    return q, kv, layer, blocks, torch.tensor(lengths)
-
-
-@pytest.mark.parametrize(
-    "n_kv, nq, hd",
-    [
-        (3, 9, 64),
-        (2, 4, 16),
-        (2, 14, 128),
-        (1, 8, 32),
-        (4, 4, 64),
-        (2, 10, 64),
-        (2, 8, 64),
-        (2, 12, 32),
-    ],
-    ids=["smollm2", "tiny", "qwen2", "mqa", "mha", "group5", "group4", "group6"],
-)
+@pytest.mark.parametrize(**HEADS)
 def test_decode_attention_equals_float64_attention_to_bfloat16_rounding(n_kv, nq, hd):
     lengths = [0, 1, 15, 16, 17, 100, 255]  # empty, within, at and across block edges
-    q, kv, layer, blocks, cached = _case(n_kv, nq, hd, lengths, seed=nq + hd)
+    q, kv, layer, blocks, cached = case(n_kv, nq, hd, lengths, seed=nq + hd)
     assert not q.is_contiguous()
     got = torch.ops.nanoserve.decode_attention(q, kv, layer, blocks, cached, BLOCK)
-    want = _reference(q, kv, layer, blocks, cached)
+    want = reference(q, kv, layer, blocks, cached)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     # float32 arithmetic, then one rounding to bfloat16 (8 significant bits).
     error = (got.double() - want).abs()
@@ -92,10 +48,10 @@ def test_decode_attention_equals_float64_attention_to_bfloat16_rounding(n_kv, nq
 
 
 def test_a_sharp_softmax_and_a_nan_behave_as_torchs():
-    q, kv, layer, blocks, cached = _case(3, 9, 64, [40, 200], seed=5)
+    q, kv, layer, blocks, cached = case(3, 9, 64, [40, 200], seed=5)
     sharp = (q.float() * 30).bfloat16()  # scores of hundreds: weights underflow to 0
     got = torch.ops.nanoserve.decode_attention(sharp, kv, layer, blocks, cached, BLOCK)
-    want = _reference(sharp, kv, layer, blocks, cached)
+    want = reference(sharp, kv, layer, blocks, cached)
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()
     layer = layer.clone()
     layer[0, 1, int(blocks[1, 3]) * BLOCK + 2] = float("nan")  # row 1's position 50, KV head 1
@@ -104,7 +60,7 @@ def test_a_sharp_softmax_and_a_nan_behave_as_torchs():
 
 
 def test_a_row_with_nothing_cached_returns_its_own_value_exactly():
-    q, kv, layer, blocks, cached = _case(3, 9, 64, [0, 40], seed=1)
+    q, kv, layer, blocks, cached = case(3, 9, 64, [0, 40], seed=1)
     got = torch.ops.nanoserve.decode_attention(q, kv, layer, blocks, cached, BLOCK)
     own = kv[0, 1].repeat_interleave(3, dim=0)  # (nq, hd): each KV head's group
     assert torch.equal(got[0], own)
@@ -112,7 +68,7 @@ def test_a_row_with_nothing_cached_returns_its_own_value_exactly():
 
 
 def test_it_reads_the_rows_blocks_and_nothing_past_the_cached_positions():
-    q, kv, layer, blocks, cached = _case(3, 9, 64, [20, 33], seed=2)
+    q, kv, layer, blocks, cached = case(3, 9, 64, [20, 33], seed=2)
     before = torch.ops.nanoserve.decode_attention(q, kv, layer, blocks, cached, BLOCK)
     poisoned = layer.clone()
     # Row 0's slots from position 20 on, and every block no row has, become NaN.
@@ -130,14 +86,14 @@ def test_it_reads_the_rows_blocks_and_nothing_past_the_cached_positions():
 
 
 def test_it_refuses_what_it_cannot_compute():
-    q, kv, layer, blocks, cached = _case(3, 9, 64, [5], seed=3)
+    q, kv, layer, blocks, cached = case(3, 9, 64, [5], seed=3)
     with pytest.raises(RuntimeError, match="must be bfloat16"):
         torch.ops.nanoserve.decode_attention(q.float(), kv, layer, blocks, cached, BLOCK)
     with pytest.raises(RuntimeError, match="contiguous int64"):
         torch.ops.nanoserve.decode_attention(q, kv, layer, blocks.int(), cached, BLOCK)
     assert not torch.ops.nanoserve.decode_attention_supports(48, 3)
     assert not torch.ops.nanoserve.decode_attention_supports(64, 9)
-    q48, kv48, layer48, blocks48, cached48 = _case(1, 2, 48, [5], seed=4)
+    q48, kv48, layer48, blocks48, cached48 = case(1, 2, 48, [5], seed=4)
     with pytest.raises(RuntimeError, match="needs head_dim 16, 32, 64 or 128"):
         torch.ops.nanoserve.decode_attention(q48, kv48, layer48, blocks48, cached48, BLOCK)
     # Indices that would read outside the tensors are refused, not followed.
@@ -609,12 +565,12 @@ def test_the_float32_scoring_too():
 
 def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("NANOSERVE_KERNELS", "0")
-    kernels.available.cache_clear()
+    kernels.loaded.cache_clear()
     try:
         assert not kernels.available()
     finally:
         monkeypatch.delenv("NANOSERVE_KERNELS")
-        kernels.available.cache_clear()
+        kernels.loaded.cache_clear()
         assert kernels.available()
 
 
@@ -642,8 +598,8 @@ def test_bfloat16_steps_attend_with_it_and_float32_steps_do_not(tiny_dir, monkey
         calls.clear()
         argmax_calls.clear()
         worker = make_worker(tiny_dir, dtype=dtype)
-        # known, and built, at start
-        assert isinstance(worker.attention, CpuKernelBackend) == (dtype == "bfloat16")
+        # known, and built, at start (float32 decodes in decode_attention_f32)
+        assert isinstance(worker.attention, CpuKernelBackend)
         assert worker.sampler.own_argmax  # greedy choices in both
         Driver(worker, eos=[]).run([Request("r", [1, 2, 3, 4, 5], 4)])
         assert len(calls) == want, dtype

@@ -2,8 +2,8 @@
 
 - ``base``: ``AttentionBackend``, the operations a backend provides;
 - ``metadata``: ``AttentionMetadata``, ``DecodeRows`` and ``PrefillSpan``, built once per step;
-- ``torch_backend``: ``TorchBackend``, plain torch (what CUDA runs, and CPU float32);
-- ``cpu_kernel``: ``CpuKernelBackend``, bfloat16 CPU decodes in nanoserve's own operator.
+- ``torch_backend``: ``TorchBackend``, plain torch (what CUDA runs, and the generic path);
+- ``cpu_kernel``: ``CpuKernelBackend``, CPU decodes in nanoserve's own operators.
 
 The worker calls ``select_backend`` once, at start; nothing else asks which backend it has.
 """

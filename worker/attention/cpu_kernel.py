@@ -9,6 +9,10 @@ steps call the same operator.
 prefill span, fresh or continuing a cached prefix, from its blocks in place: 4 to 5 times
 faster than SDPA's flash kernel on these heads. Where it is not built (no AVX512-BF16), prefills
 are the torch backend's.
+
+A float32 pool decodes in ``torch.ops.nanoserve.decode_attention_f32``
+(``worker/csrc/decode_attention_f32.cpp``), which needs only AVX2, and prefills in the torch
+backend's SDPA.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from worker.attention.torch_backend import TorchBackend
 
 
 class CpuKernelBackend(TorchBackend):
-    """Decodes in ``torch.ops.nanoserve.decode_attention``, prefills in
-    ``torch.ops.nanoserve.prefill_attention`` (or SDPA where it is not built)."""
+    """Decodes in ``torch.ops.nanoserve.decode_attention`` (``decode_attention_f32`` for a
+    float32 pool), prefills in ``torch.ops.nanoserve.prefill_attention`` (or SDPA where it is
+    not built, and for float32)."""
 
     name = "cpu-kernel"
 
@@ -34,12 +39,17 @@ class CpuKernelBackend(TorchBackend):
         dtype: torch.dtype, device: str, head_dim: int, n_heads: int, n_kv_heads: int
     ) -> bool:
         """Whether the operator serves a pool of this dtype on this device with these heads:
-        bfloat16 on CPU, where it builds (the first call may build it) and takes the heads."""
-        if dtype != torch.bfloat16 or device != "cpu" or n_heads % n_kv_heads:
+        bfloat16 (AVX-512) or float32 (AVX2) on CPU, where it builds (the first call may build
+        it) and takes the heads."""
+        if device != "cpu" or n_heads % n_kv_heads:
             return False
         group = n_heads // n_kv_heads
         ops = torch.ops.nanoserve
-        return kernels.available() and ops.decode_attention_supports(head_dim, group)
+        if dtype == torch.float32:
+            return kernels.loaded() and ops.decode_attention_f32_supports(head_dim, group)
+        if dtype == torch.bfloat16:
+            return kernels.available() and ops.decode_attention_supports(head_dim, group)
+        return False
 
     def decode(
         self,
@@ -50,16 +60,20 @@ class CpuKernelBackend(TorchBackend):
         scratch: Scratch | None = None,
     ) -> torch.Tensor:
         """See ``AttentionBackend.decode``; reads the cache in place, so needs no scratch."""
-        return torch.ops.nanoserve.decode_attention(
-            q, kv, layer, rows.blocks, rows.cached, self.block_size
-        )
+        if self.dtype == torch.float32:
+            attend = torch.ops.nanoserve.decode_attention_f32
+        else:
+            attend = torch.ops.nanoserve.decode_attention
+        return attend(q, kv, layer, rows.blocks, rows.cached, self.block_size)
 
     def prefill(
         self, q: torch.Tensor, kv: torch.Tensor, layer: torch.Tensor, span: PrefillSpan
     ) -> torch.Tensor:
         """See ``AttentionBackend.prefill``; reads the span's K/V from the pool, where
         ``forward`` has just written them."""
-        if not _prefill_kernel(self.head_dim, self.n_heads // self.n_kv_heads):
+        if self.dtype != torch.bfloat16 or not _prefill_kernel(
+            self.head_dim, self.n_heads // self.n_kv_heads
+        ):
             return super().prefill(q, kv, layer, span)
         return torch.ops.nanoserve.prefill_attention(
             q[span.begin : span.end], layer, span.blocks, span.start, self.block_size

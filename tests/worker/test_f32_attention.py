@@ -1,0 +1,175 @@
+"""``torch.ops.nanoserve.decode_attention_f32`` (``worker/csrc/decode_attention_f32.cpp``): decode
+attention over a paged float32 pool in AVX2, built on any CPU with AVX2 and FMA.
+
+It equals float64 softmax attention to float32's rounding, reads the right blocks and nothing
+past a row's cached positions, takes the new token from ``kv``, refuses what it cannot do, and
+is what a CPU worker's float32 decodes use, with the same tokens as the torch backend's (the
+compiled steps' use is in ``test_compiled.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_cases import BLOCK, HEADS, case, reference
+from conftest import make_worker
+
+from worker import kernels
+from worker.attention import CpuKernelBackend, TorchBackend
+
+
+@pytest.fixture(autouse=True)
+def built(private_cache):
+    """Build (or load) the kernels in the tests' private cache, or skip where they cannot be."""
+    if not kernels.loaded():
+        pytest.skip("needs AVX2, FMA and a C++ compiler (worker.kernels)")
+
+
+def attend(q, kv, layer, blocks, cached, block_size=BLOCK):
+    return torch.ops.nanoserve.decode_attention_f32(q, kv, layer, blocks, cached, block_size)
+
+
+def _f32_case(n_kv: int, nq: int, hd: int, lengths: list[int], seed: int):
+    return case(n_kv, nq, hd, lengths, seed, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(**HEADS)
+def test_it_equals_float64_attention_to_float32_rounding(n_kv, nq, hd):
+    lengths = [0, 1, 15, 16, 17, 100, 255]  # empty, within, at and across block edges
+    q, kv, layer, blocks, cached = _f32_case(n_kv, nq, hd, lengths, seed=nq + hd)
+    assert not q.is_contiguous()
+    got = attend(q, kv, layer, blocks, cached)
+    want = reference(q, kv, layer, blocks, cached)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    # float32 sums of up to 256 products of order 1, and the exp's 2e-7.
+    error = (got.double() - want).abs()
+    assert (error <= want.abs() * 1e-5 + 1e-5).all(), error.max().item()
+
+
+def test_it_runs_on_several_threads_as_on_one():
+    """Enough positions to split over OpenMP threads: the same result as one thread's."""
+    q, kv, layer, blocks, cached = _f32_case(3, 9, 64, [300, 700, 40, 511], seed=9)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        parallel = attend(q, kv, layer, blocks, cached)
+        torch.set_num_threads(1)
+        serial = attend(q, kv, layer, blocks, cached)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(parallel, serial)
+    want = reference(q, kv, layer, blocks, cached)
+    assert ((parallel.double() - want).abs() <= want.abs() * 1e-5 + 1e-5).all()
+
+
+def test_a_sharp_softmax_and_a_nan_behave_as_torchs():
+    q, kv, layer, blocks, cached = _f32_case(3, 9, 64, [40, 200], seed=5)
+    sharp = q * 30  # scores of hundreds: most weights underflow to 0
+    got = attend(sharp, kv, layer, blocks, cached)
+    want = reference(sharp, kv, layer, blocks, cached)
+    assert ((got.double() - want).abs() <= want.abs() * 1e-5 + 1e-5).all()
+    layer = layer.clone()
+    layer[0, 1, int(blocks[1, 3]) * BLOCK + 2] = float("nan")  # row 1's position 50, KV head 1
+    got = attend(q, kv, layer, blocks, cached)
+    assert got[1, 3:6].isnan().all() and not got[1, :3].isnan().any() and not got[0].isnan().any()
+
+
+def test_a_row_with_nothing_cached_returns_its_own_value_exactly():
+    q, kv, layer, blocks, cached = _f32_case(3, 9, 64, [0, 40], seed=1)
+    got = attend(q, kv, layer, blocks, cached)
+    own = kv[0, 1].repeat_interleave(3, dim=0)  # (nq, hd): each KV head's group
+    assert torch.equal(got[0], own)
+    assert not torch.equal(got[1], kv[1, 1].repeat_interleave(3, dim=0))
+
+
+def test_it_reads_the_rows_blocks_and_nothing_past_the_cached_positions():
+    q, kv, layer, blocks, cached = _f32_case(3, 9, 64, [20, 33], seed=2)
+    before = attend(q, kv, layer, blocks, cached)
+    poisoned = layer.clone()
+    # Row 0's slots from position 20 on, and every block no row has, become NaN.
+    poisoned[:, :, int(blocks[0, 1]) * BLOCK + 4 : int(blocks[0, 1] + 1) * BLOCK] = float("nan")
+    used = {int(b) for b in blocks[0, :2]} | {int(b) for b in blocks[1, :3]}
+    for block in set(range(48)) - used:
+        poisoned[:, :, block * BLOCK : (block + 1) * BLOCK] = float("nan")
+    assert torch.equal(attend(q, kv, poisoned, blocks, cached), before)
+    # One changed key of row 1's first block changes row 1 only.
+    poisoned[0, :, int(blocks[1, 0]) * BLOCK] += 1
+    after = attend(q, kv, poisoned, blocks, cached)
+    assert torch.equal(after[0], before[0]) and not torch.equal(after[1], before[1])
+
+
+def test_it_refuses_what_it_cannot_compute():
+    q, kv, layer, blocks, cached = _f32_case(3, 9, 64, [5], seed=3)
+    with pytest.raises(RuntimeError, match="must be float32"):
+        attend(q.bfloat16(), kv, layer, blocks, cached)
+    with pytest.raises(RuntimeError, match="contiguous int64"):
+        attend(q, kv, layer, blocks.int(), cached)
+    assert not torch.ops.nanoserve.decode_attention_f32_supports(48, 3)
+    assert not torch.ops.nanoserve.decode_attention_f32_supports(64, 9)
+    assert torch.ops.nanoserve.decode_attention_f32_supports(64, 3)
+    q48, kv48, layer48, blocks48, cached48 = _f32_case(1, 2, 48, [5], seed=4)
+    with pytest.raises(RuntimeError, match="needs head_dim 16, 32, 64 or 128"):
+        attend(q48, kv48, layer48, blocks48, cached48)
+    # Indices that would read outside the tensors are refused, not followed.
+    width = blocks.shape[1]
+    for bad_cached, match in (([-1], "has -1 cached"), ([width * BLOCK + 1], "its table holds")):
+        with pytest.raises(RuntimeError, match=match):
+            attend(q, kv, layer, blocks, torch.tensor(bad_cached))
+    for bad_block in (-1, 48):
+        wrong = blocks.clone()
+        wrong[0, 0] = bad_block
+        with pytest.raises(RuntimeError, match=f"names block {bad_block} of a pool of 48"):
+            attend(q, kv, layer, wrong, cached)
+    with pytest.raises(RuntimeError, match="block_size must divide"):
+        attend(q, kv, layer, blocks, cached, 0)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        attend(q, kv[:, :, :0], layer[:, :0], blocks, cached)
+
+
+def _count_calls(monkeypatch) -> list:
+    calls = []
+    real = torch.ops.nanoserve.decode_attention_f32
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.nanoserve, "decode_attention_f32", counting)
+    return calls
+
+
+def _run_mixed(worker):
+    """Chunked prefills beside decodes: "a" prefills in chunks of 5 while "b" and "c" decode."""
+    from driver import Driver, Request
+
+    prompts = {"a": list(range(3, 40)), "b": [5, 6, 7], "c": [9, 8, 7, 6]}
+    requests = [Request(name, prompt, 6) for name, prompt in prompts.items()]
+    return Driver(worker, eos=[]).run(requests, chunk=5)
+
+
+def test_float32_steps_decode_with_it_and_pick_the_torch_backends_tokens(tiny_dir, monkeypatch):
+    calls = _count_calls(monkeypatch)
+    worker = make_worker(tiny_dir, dtype="float32")
+    assert isinstance(worker.attention, CpuKernelBackend)  # chosen, and built, at start
+    with_kernel = _run_mixed(worker)
+    assert len(calls) > 0 and all(shape[1:] == (4, 16) for shape in calls)  # (B, nq, hd)
+    calls.clear()
+    generic = make_worker(tiny_dir, dtype="float32", generic_path=True)
+    assert type(generic.attention) is TorchBackend
+    without = _run_mixed(generic)
+    assert not calls
+    for a, b in zip(with_kernel, without, strict=True):
+        assert a.output == b.output
+        worst = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
+        assert worst < 1e-4, worst
+
+
+def test_turned_off_by_the_environment_float32_keeps_torch(tiny_dir, monkeypatch):
+    monkeypatch.setenv("NANOSERVE_KERNELS", "0")
+    kernels.loaded.cache_clear()
+    try:
+        assert not kernels.loaded()
+        assert type(make_worker(tiny_dir, dtype="float32").attention) is TorchBackend
+    finally:
+        monkeypatch.delenv("NANOSERVE_KERNELS")
+        kernels.loaded.cache_clear()
+        assert kernels.loaded()
