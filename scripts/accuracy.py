@@ -14,10 +14,11 @@ answers every forced step, and the table gives, over all of them:
 nanoserve runs in this process on the worker and the real scheduler (``Engine``), every forced
 step submitted at once, so steps hold many rows: in bfloat16 with the GGUF's 4-bit matrices
 those are the 4-bit x 8-bit steps (``--w4a8``, the default), else (``--q4-max-tokens 0``)
-bfloat16 matrices, as ``--no-w4a8`` also gives big steps. The single-row steps' figures (4-bit
-weights x bfloat16 activations) come from ``tests/worker/test_real_model.py``. llama-server
-answers over HTTP, one step at a time, with ``cache_prompt`` (each step computes its one new
-token).
+bfloat16 matrices, as ``--no-w4a8`` also gives big steps. On a CPU without native bfloat16,
+where ``auto`` picks float32 on the 4-bit weights times 8-bit activations, that is a row too.
+The single-row steps' figures (4-bit weights x bfloat16 activations) come from
+``tests/worker/test_real_model.py``. llama-server answers over HTTP, one step at a time, with
+``cache_prompt`` (each step computes its one new token).
 
     python scripts/accuracy.py --llama-server ~/.cache/nanoserve/llama.cpp/build/bin/llama-server
 """
@@ -175,11 +176,18 @@ def main() -> int:
     files = resolve_model(None)
     steps = reference_steps(files, args.steps)
     rows = []
-    for name, config in (
+    runs = [
         ("nanoserve float32", dict(dtype="float32")),
         ("nanoserve bfloat16, bfloat16 matrices", dict(dtype="bfloat16", q4_max_tokens=0)),
         ("nanoserve bfloat16, 4-bit x 8-bit (default)", dict(dtype="bfloat16")),
-    ):
+    ]
+    from worker.config import WorkerConfig
+
+    if WorkerConfig(model=None).resolved_dtype == "float32":
+        # A CPU without native bfloat16: the default is float32 on the 4-bit weights times
+        # 8-bit activations (csrc/q4a8_linear_f32.cpp), and the bfloat16 rows are not it.
+        runs.append(("nanoserve auto: float32, 4-bit x 8-bit (default here)", dict(dtype="auto")))
+    for name, config in runs:
         rows.append({"run": name, **score(steps, nanoserve_answers(steps, **config))})
         print(json.dumps(rows[-1]), flush=True)
     if args.llama_server:

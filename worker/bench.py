@@ -145,7 +145,15 @@ class DecodeLoop:
 CATEGORIES = (
     (
         "linear (weights)",
-        ("linear_pointwise", "int4pack", "q4_linear", "w4a8_linear", "aten::mm", "aten::addmm"),
+        (
+            "linear_pointwise",
+            "int4pack",
+            "q4_linear",
+            "w4a8_linear",
+            "q4a8_linear",
+            "aten::mm",
+            "aten::addmm",
+        ),
     ),
     ("attention: nanoserve kernel", ("decode_attention",)),
     ("attention: gather K/V", ("index_select",)),

@@ -23,12 +23,14 @@ class WorkerConfig:
     None keeps torch's default, one per physical core, which measured best even beside the
     frontend and scheduler processes (they sleep while the worker computes).
     ``q4_max_tokens``: on CPU in bfloat16, or in the float32 that ``auto`` picks on a CPU without
-    native bfloat16 (their rows rounded to bfloat16 for it), with a GGUF whose matrices are Q4_0
-    or Q4_1, steps of at most this many tokens run on the file's own 4-bit weights (0: never).
-    An explicit float32 never does: it is the exact path.
+    native bfloat16, with a GGUF whose matrices are Q4_0 or Q4_1, steps of at most this many
+    tokens run on the file's own 4-bit weights (0: never). A float32 model's rows are quantized
+    to 8 bits for them (``csrc/q4a8_linear_f32.cpp``, AVX2), or rounded to bfloat16 where that
+    is not built. An explicit float32 never does: it is the exact path.
     ``w4a8``: there, where the CPU also has AVX512-VNNI, the MLP's bigger steps run on the same
     4-bit weights times activations quantized to 8 bits in groups of 32 (llama.cpp's numerics
-    for a Q4_1 matrix), not on bfloat16 matrices (``csrc/w4a8_linear.cpp``).
+    for a Q4_1 matrix), not on bfloat16 matrices (``csrc/w4a8_linear.cpp``). In ``auto``'s
+    float32, every step of every layer's linears does (``csrc/q4a8_linear_f32.cpp``).
     ``compile``: on CPU, decode-only steps of at most 32 rows run as one ``torch.compile``d graph
     (``worker.compiled``); None: wherever it pays (CPU, off the generic path, torch >= 2.13).
     ``adapt_threads``: on CPU with one rank, drop to one thread while another process holds a

@@ -53,6 +53,10 @@ def attach_q4(
     the MLP's bigger ones, see ``Linear.attach_q4``), and the lm head its own for single rows;
     returns how many got one."""
     attached = 0
+    dtype = model.model.embed_tokens.weight.dtype
+    # A float32 model's linears all take 8-bit activations (``Linear.attach_q4``'s q4a8): with
+    # float32 everywhere else, that is llama.cpp's own numerics (docs/performance.md).
+    takes_w4a8 = W4A8_LINEARS if dtype == torch.bfloat16 else tuple(_FUSED_PARTS)
     for index, layer in enumerate(model.model.layers):
         for fused, names in _FUSED_PARTS.items():
             linear = layer.get_submodule(fused)
@@ -60,7 +64,7 @@ def attach_q4(
             # 4-bit matrices only: an 8-bit one (two halves, twice the columns) pays for a
             # single row only, and every step through a layer may have more.
             if None not in parts and all(p.q.shape[1] == linear.in_features for p in parts):
-                linear.attach_q4(parts, max_tokens, w4a8 and fused in W4A8_LINEARS)
+                linear.attach_q4(parts, max_tokens, w4a8 and fused in takes_w4a8)
                 attached += 1
     head = tensors.get("lm_head.weight")
     if head is None and model.spec.tie_embeddings:

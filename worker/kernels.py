@@ -33,9 +33,11 @@ one pass (``csrc/rotary.cpp``), where torch takes a roll, two multiplies and an 
 the sampler's greedy choices.
 
 ``torch.ops.nanoserve.decode_attention_f32``: ``decode_attention`` over a float32 pool, in AVX2
-and FMA (``csrc/decode_attention_f32.cpp``): the float32 decodes of the same backend. It is the
-one operator built on a CPU without AVX-512 (``loaded()`` without ``available()``), where
-``auto`` serves float32.
+and FMA (``csrc/decode_attention_f32.cpp``): the float32 decodes of the same backend.
+``torch.ops.nanoserve.q4a8_linear_f32``: float32 rows, quantized to 8 bits in groups of 32, times
+``pack_q4``'s 4-bit matrix, in AVX2 (``csrc/q4a8_linear_f32.cpp``): the linears of the float32
+that ``auto`` picks on a CPU without native bfloat16. These two are the operators built on a
+CPU with AVX2 but not AVX-512 (``loaded()`` without ``available()``).
 
 The sources compile with ``torch.utils.cpp_extension`` into nanoserve's cache directory, in a
 directory named by the torch version and a hash of the sources, flags and torch's build, and
@@ -71,18 +73,20 @@ BF16_SOURCES = [
 ]
 # And where it also has AVX512-VNNI.
 VNNI_SOURCES = [_CSRC / "w4a8_linear.cpp"]
-# Built on every CPU with AVX2 and FMA, with the others or alone.
-AVX2_SOURCES = [_CSRC / "decode_attention_f32.cpp"]
+# Built on every CPU with AVX2, FMA and F16C, with the others or alone.
+AVX2_SOURCES = [_CSRC / "decode_attention_f32.cpp", _CSRC / "q4a8_linear_f32.cpp"]
 HEADER = _CSRC / "simd.h"  # included by the sources
 # Written in a build directory once its library is built and loaded: later processes load it
 # as it is.
 BUILT = "nanoserve_kernels.built"
 # What the kernels' instructions need, as /proc/cpuinfo names them.
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")
-_CFLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+_CFLAGS = [
+    "-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"
+]  # fmt: skip
 # Where the CPU lacks AVX-512: only AVX2_SOURCES are built, for these.
-AVX2_FLAGS = ("avx2", "fma")
-_AVX2_CFLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma"]
+AVX2_FLAGS = ("avx2", "fma", "f16c")
+_AVX2_CFLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c"]
 # at::parallel_for splits work over OpenMP threads only where the caller is built with OpenMP:
 # without it the kernels ran on one thread of the worker's two (its header's pragma ignored).
 # Linked against libgomp.so.1, the loader reuses the copy torch loaded (the same soname), so
@@ -112,7 +116,7 @@ def cpu_supports() -> bool:
 
 
 def cpu_supports_avx2() -> bool:
-    """Whether this CPU has what ``AVX2_SOURCES`` are compiled for (AVX2 and FMA)."""
+    """Whether this CPU has what ``AVX2_SOURCES`` are compiled for (AVX2, FMA and F16C)."""
     return set(AVX2_FLAGS) <= cpu_flags()
 
 
@@ -139,14 +143,14 @@ def cflags() -> list[str]:
 
 def available() -> bool:
     """Whether ``torch.ops.nanoserve``'s AVX-512 operators can run here (all but
-    ``decode_attention_f32``); builds and loads them on the first call."""
+    ``AVX2_SOURCES``'); builds and loads them on the first call."""
     return cpu_supports() and loaded()
 
 
 @functools.cache
 def loaded() -> bool:
     """Whether ``torch.ops.nanoserve`` is built and loaded here, with every operator or, on a CPU
-    with AVX2 but not AVX-512, with ``decode_attention_f32`` alone; builds and loads it on the
+    with AVX2 but not AVX-512, with ``AVX2_SOURCES``' operators alone; builds and loads it on the
     first call. ``NANOSERVE_KERNELS=0`` turns it off."""
     if os.environ.get("NANOSERVE_KERNELS", "1") == "0":
         return False
@@ -154,7 +158,7 @@ def loaded() -> bool:
         log.info("kernels: this CPU lacks AVX2; the worker keeps torch's code")
         return False
     if not cpu_supports():
-        log.info("kernels: this CPU lacks AVX-512; only the float32 attention is built")
+        log.info("kernels: this CPU lacks AVX-512; only its AVX2 kernels are built")
     try:
         _load()
     except Exception as exc:  # a missing compiler must not stop the worker, only slow it
@@ -294,6 +298,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("nanoserve::decode_attention_f32")
     def _(q, kv, layer, blocks, cached, block_size):
         return q.new_empty(q.shape)
+
+    @torch.library.register_fake("nanoserve::q4a8_linear_f32")
+    def _(x, packed, scale, low):
+        return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
     if not cpu_supports():
         return

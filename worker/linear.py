@@ -5,7 +5,9 @@ file's own 4-bit integers beside it for small steps (``attach_q4``): multiplied 
 own kernel where the CPU has AVX512-BF16 (``pack_q4``), else by torch's int4 kernel. Where the
 CPU also has AVX512-VNNI, big steps multiply the same integers by 8-bit activations
 (``pack_w4a8``, llama.cpp's numerics) instead of oneDNN's bfloat16 matrices, which it then
-drops. The generic path (and CUDA) keeps the plain ``F.linear``.
+drops. A float32 model (``auto`` on a CPU without native bfloat16) multiplies them by 8-bit
+activations in nanoserve's AVX2 kernel (``q4a8``), at every step by default. The generic path
+(and CUDA) keeps the plain ``F.linear``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from worker.gguf_reader import Q4Tensor
 
 # torch.ops.nanoserve.q4_linear's most rows (csrc/q4_linear.cpp's kMaxRows).
 Q4_KERNEL_MAX_ROWS = 8
+# A q4a8 linear's step limit when every step runs on its 4-bit integers (``attach_q4``).
+Q4A8_ALL_ROWS = 1 << 62
 
 
 class Linear(nn.Linear):
@@ -35,6 +39,8 @@ class Linear(nn.Linear):
     q4_max_tokens: int = 0
     q4_halves: int = 1  # 2 for an 8-bit weight held as two 4-bit halves: the input goes to both
     q4_kernel: bool = False  # q4 is ``pack_q4``'s form, for torch.ops.nanoserve.q4_linear
+    # q4 is ``pack_q4``'s form, for torch.ops.nanoserve.q4a8_linear_f32 (float32 rows)
+    q4a8: bool = False
     # ``pack_w4a8``'s integers: steps of more than q4_max_tokens rows (torch.ops.nanoserve.
     # w4a8_linear, with q4's scales and lows)
     w4a8: torch.Tensor | None = None
@@ -66,9 +72,25 @@ class Linear(nn.Linear):
 
         With ``w4a8`` (and a CPU with AVX512-VNNI), bigger steps run on the same integers
         times their input quantized to 8 bits, and the bfloat16 matrix goes: a big step is
-        bound by multiplies, and vpdpbusd does twice vdpbf16ps's."""
+        bound by multiplies, and vpdpbusd does twice vdpbf16ps's.
+
+        A float32 model's linears take nanoserve's AVX2 kernel instead, wherever it
+        is built: rows quantized to 8 bits times the 4-bit integers, llama.cpp's numerics (only
+        where ``auto`` chose float32: ``Worker._load_model``). With ``w4a8`` every step runs
+        on it, and the float32 matrix goes: on a 2-core Zen 3 it is 1.3-1.9 times oneDNN's
+        float32 matmul at 32 and 128 rows, and 4-5 times torch's int4 kernel at one row
+        (docs/performance.md)."""
         self.q4_max_tokens = max_tokens
         self.q4_halves = parts[0].q.shape[1] // self.in_features
+        dtype = (self.weight if self.packed is None else self.packed).dtype
+        if dtype == torch.float32 and kernels.loaded():
+            packed = pack_q4(parts)
+            if packed is not None:
+                self.q4, self.q4a8 = packed, True
+                if w4a8:
+                    self.q4_max_tokens = Q4A8_ALL_ROWS
+                    self.packed = self.weight = None
+                return
         if max_tokens <= Q4_KERNEL_MAX_ROWS and kernels.available() and kernels.uses_bf16():
             self.q4 = pack_q4(parts)
             if self.q4 is not None:
@@ -96,7 +118,11 @@ class Linear(nn.Linear):
             )  # fmt: skip
         if self.q4 is not None and x.shape[0] <= self.q4_max_tokens:
             x = torch.cat([x] * self.q4_halves, dim=1) if self.q4_halves > 1 else x.contiguous()
-            if self.q4_kernel:
+            if self.q4a8:
+                out = torch.ops.nanoserve.q4a8_linear_f32(x, *self.q4)
+                if out.shape[1] != self.out_features:  # rows padded to a multiple of 16
+                    out = out[:, : self.out_features].contiguous()
+            elif self.q4_kernel:
                 out = torch.ops.nanoserve.q4_linear(x, *self.q4)
                 if out.shape[1] != self.out_features:  # rows padded to a multiple of 16
                     out = out[:, : self.out_features].contiguous()

@@ -106,7 +106,13 @@ def _log_ready(worker, ready: WorkerReady) -> None:
         )
     if worker.config.generic_path:
         log.info("generic path: the code CUDA runs (plain weights, torch's argmax)")
-    if worker.q4_linears:
+    if worker.q4_linears and _runs_q4a8(worker.model):
+        log.info(
+            "%d linears run on the GGUF's 4-bit weights times 8-bit activations (AVX2)%s",
+            worker.q4_linears,
+            ", every step" if worker.config.w4a8 else "",
+        )
+    elif worker.q4_linears:
         log.info(
             "%d linears also run on the GGUF's 4-bit weights, in steps of at most %d tokens%s",
             worker.q4_linears,
@@ -208,3 +214,9 @@ def _runs_w4a8(model) -> bool:
     from worker.linear import Linear
 
     return any(isinstance(m, Linear) and m.w4a8 is not None for m in model.modules())
+
+
+def _runs_q4a8(model) -> bool:
+    from worker.linear import Linear
+
+    return any(isinstance(m, Linear) and m.q4a8 for m in model.modules())

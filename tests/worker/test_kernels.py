@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from attention_cases import BLOCK, HEADS, case, reference
 from conftest import make_worker
+from q4_cases import dequantized64, q4_case, w4a8_reference
 
 from worker import kernels
 from worker.attention import CpuKernelBackend
@@ -207,22 +208,6 @@ def test_prefill_attention_refuses_what_it_cannot_compute():
         attend(q, layer[:, :2], blocks, 10, BLOCK)
 
 
-def _q4_case(rows: int, cols: int, seed: int, has_min: bool = True):
-    """A random 4-bit matrix as ``read_q4_tensors`` gives one: float16 d (and m) per group."""
-    gen = torch.Generator().manual_seed(seed)
-    groups = cols // 32
-    q = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
-    d = (torch.rand(rows, groups, generator=gen) * 0.09 + 0.01).half().float()
-    m = (-torch.rand(rows, groups, generator=gen) * 0.5).half().float() if has_min else -8 * d
-    return Q4Tensor(q, d, m + 8 * d)  # weight = (q - 8) * scale + zero
-
-
-def _dequantized64(q4: Q4Tensor) -> torch.Tensor:
-    return (q4.q.double() - 8) * q4.scale.double().repeat_interleave(
-        32, 1
-    ) + q4.zero.double().repeat_interleave(32, 1)
-
-
 needs_bf16 = pytest.mark.skipif(not kernels.uses_bf16(), reason="q4_linear needs AVX512-BF16")
 
 
@@ -233,11 +218,11 @@ needs_bf16 = pytest.mark.skipif(not kernels.uses_bf16(), reason="q4_linear needs
      (3072, 576, 1, True), (576, 1536, 2, False)],
 )  # fmt: skip
 def test_q4_linear_equals_the_float64_product_to_bfloat16s_rounding(rows, cols, batch, has_min):
-    q4 = _q4_case(rows, cols, seed=rows + cols, has_min=has_min)
+    q4 = q4_case(rows, cols, seed=rows + cols, has_min=has_min)
     packed = pack_q4([q4])
     assert packed is not None and packed[0].shape == (-(-rows // 16), cols // 32, 256)
     x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch)).bfloat16()
-    want = x.double() @ _dequantized64(q4).T  # (batch, rows)
+    want = x.double() @ dequantized64(q4).T  # (batch, rows)
     got = torch.ops.nanoserve.q4_linear(x, *packed)[:, :rows].double()
     assert got.shape == want.shape
     # bfloat16's rounding of the output, plus float32 sums of a few hundred products.
@@ -263,7 +248,7 @@ def test_q4_linear_reads_each_nibble_as_its_own_column():
 
 @needs_bf16
 def test_q4_linear_refuses_what_it_cannot_compute():
-    packed = pack_q4([_q4_case(32, 64, seed=1)])
+    packed = pack_q4([q4_case(32, 64, seed=1)])
     x = torch.randn(2, 64).bfloat16()
     linear = torch.ops.nanoserve.q4_linear
     with pytest.raises(RuntimeError, match="1 to 8 rows, got 9"):
@@ -285,23 +270,6 @@ def test_q4_linear_refuses_what_it_cannot_compute():
 needs_vnni = pytest.mark.skipif(not kernels.uses_vnni(), reason="w4a8_linear needs AVX512-VNNI")
 
 
-def _w4a8_reference(x: torch.Tensor, q4: Q4Tensor) -> torch.Tensor:
-    """llama.cpp's Q4_1 x Q8_1 dot (ggml_vec_dot_q4_1_q8_1 after quantize_row_q8_1), summed in
-    float64: x (M, K) bfloat16 -> (M, N)."""
-    rows, cols = x.shape
-    xs = x.float().view(rows, cols // 32, 32)
-    amax = xs.abs().amax(-1, keepdim=True)  # (M, G, 1)
-    # 127 / amax as C divides: torch's scalar / tensor multiplies by a rounded reciprocal.
-    inverse = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
-    a = torch.round(xs * inverse)  # float32 product, rounded half to even
-    d = amax / 127
-    s = d * a.sum(-1, keepdim=True)
-    d, s = d.half().double().squeeze(-1), s.half().double().squeeze(-1)  # block_q8_1's ds
-    scale, low = q4.scale.double(), (q4.zero - 8 * q4.scale).double()  # w = scale * q + low
-    sums = torch.einsum("mgk,ngk->mng", a.double(), q4.q.double().view(-1, cols // 32, 32))
-    return (sums * d[:, None] * scale).sum(-1) + (s[:, None] * low).sum(-1)
-
-
 @needs_vnni
 @pytest.mark.parametrize(
     "rows, cols, batch, has_min",
@@ -309,21 +277,21 @@ def _w4a8_reference(x: torch.Tensor, q4: Q4Tensor) -> torch.Tensor:
      (3072, 576, 6, True), (576, 1536, 130, False)],
 )  # fmt: skip
 def test_w4a8_linear_is_llamacpps_q4_1_q8_1_dot_to_bfloat16s_rounding(rows, cols, batch, has_min):
-    q4 = _q4_case(rows, cols, seed=rows + cols, has_min=has_min)
+    q4 = q4_case(rows, cols, seed=rows + cols, has_min=has_min)
     _, scale, low = pack_q4([q4])
     packed = pack_w4a8([q4])
     assert packed.shape == (-(-rows // 16), cols // 32, 512)
     x = (torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch)) * 3).bfloat16()
     if batch > 1:
         x[1, :32] = 0  # a group of zeros quantizes to zeros, not NaNs
-    want = _w4a8_reference(x, q4)
+    want = w4a8_reference(x, q4)
     got = torch.ops.nanoserve.w4a8_linear(x, packed, scale, low)[:, :rows].double()
     assert got.shape == want.shape
     # bfloat16's rounding of the output, plus float32 sums of a few dozen groups.
     bound = 2**-8 * want.abs() + 1e-5 * want.abs().max()
     assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
     # and not the unquantized product: the 8-bit activations are what it multiplies
-    exact = x.double() @ _dequantized64(q4).T
+    exact = x.double() @ dequantized64(q4).T
     assert not ((got - exact).abs() <= 2**-8 * exact.abs()).all()
 
 
@@ -348,7 +316,7 @@ def test_w4a8_linear_reads_each_byte_as_its_own_column():
 
 @needs_vnni
 def test_w4a8_linear_refuses_what_it_cannot_compute():
-    q4 = _q4_case(32, 64, seed=1)
+    q4 = q4_case(32, 64, seed=1)
     _, scale, low = pack_q4([q4])
     packed = pack_w4a8([q4])
     x = torch.randn(2, 64).bfloat16()
@@ -503,7 +471,7 @@ def test_eager_steps_keep_the_kernels_while_another_thread_compiles(tiny_dir, mo
 
 
 def test_pack_q4_refuses_scales_float16_cannot_hold():
-    q4 = _q4_case(16, 32, seed=2)
+    q4 = q4_case(16, 32, seed=2)
     assert pack_q4([q4]) is not None
     q4.zero[3, 0] += 1e-4  # low = zero - 8 scale is no longer a float16
     assert pack_q4([q4]) is None

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_worker
+from q4_cases import w4a8_reference
 
 from worker import kernels
 from worker.cpu_weights import attach_q4
@@ -117,10 +118,12 @@ def test_q4_linear_computes_the_stacked_dequantized_matrix_on_small_steps_only(q
 
 @needs_onednn
 def test_a_float32_linear_rounds_its_small_steps_rows_for_torchs_4bit_kernel(monkeypatch):
-    """A float32 model where ``auto`` chose float32 (no native bfloat16): small steps give
-    float32 out of the 4-bit weights, from rows rounded to bfloat16 (torch's kernel is
-    vectorized for those only); bigger steps keep the exact float32 matrix."""
+    """A float32 model where ``auto`` chose float32 (no native bfloat16) and nanoserve's AVX2
+    kernel is not built: small steps give float32 out of the 4-bit weights, from rows rounded to
+    bfloat16 (torch's kernel is vectorized for those only); bigger steps keep the exact float32
+    matrix."""
     monkeypatch.setattr(kernels, "uses_bf16", lambda: False)
+    monkeypatch.setattr(kernels, "loaded", lambda: False)
     parts = [_random_q4(96, 128, seed) for seed in (2, 3)]
     weight = torch.cat([_dequantized(p) for p in parts])  # (192, 128)
     layer = Linear.of(weight.clone(), None)
@@ -136,6 +139,73 @@ def test_a_float32_linear_rounds_its_small_steps_rows_for_torchs_4bit_kernel(mon
     large = layer(x)
     layer.q4 = None
     assert torch.equal(large, layer(x))
+
+
+needs_q4a8 = pytest.mark.skipif(not kernels.loaded(), reason="q4a8_linear_f32 needs AVX2")
+
+
+@needs_onednn
+@needs_q4a8
+def test_a_float32_linear_takes_8bit_activations_on_small_steps_only_without_w4a8():
+    """Where nanoserve's AVX2 kernel is built, a float32 linear's small steps are llama.cpp's
+    4-bit x 8-bit dot (``q4_cases.w4a8_reference``); bigger ones keep the float32 matrix."""
+    parts = [_random_q4(96, 128, seed) for seed in (2, 3)]
+    q4 = Q4Tensor(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
+    weight = _dequantized(q4, rounded=False)  # (192, 128)
+    bias = torch.randn(192, generator=torch.Generator().manual_seed(4))
+    layer = Linear.of(weight.clone(), bias.clone())
+    layer.pack()
+    layer.attach_q4(parts, max_tokens=3)
+    assert layer.q4a8 and not layer.q4_kernel and layer.packed is not None
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(5))
+    small = layer(x[:3]).double()
+    want = w4a8_reference(x[:3], q4) + bias.double()
+    assert ((small - want).abs() <= 1e-5 * want.abs().max()).all()
+    large = layer(x)
+    layer.q4 = None
+    assert torch.equal(large, layer(x))  # the packed float32 linear's own numbers
+
+
+@needs_onednn
+@needs_q4a8
+def test_with_w4a8_every_step_of_a_float32_linear_takes_8bit_activations_in_one_graph(
+    private_cache,
+):
+    """With ``w4a8`` every step runs on the 4-bit weights and the float32 matrix goes; a
+    compiled graph with a dynamic batch takes 2 rows and 12 without recompiling."""
+    parts = [_random_q4(96, 128, seed) for seed in (2, 3)]
+    q4 = Q4Tensor(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
+    layer = Linear.of(_dequantized(q4, rounded=False), None)
+    layer.pack()
+    layer.attach_q4(parts, max_tokens=3, w4a8=True)
+    assert layer.q4a8 and layer.packed is None and layer.weight is None
+    x = torch.randn(12, 128, generator=torch.Generator().manual_seed(5))
+    eager = [layer(x[:2]), layer(x)]
+    for rows, got in zip((2, 12), eager, strict=True):
+        want = w4a8_reference(x[:rows], q4)
+        assert ((got.double() - want).abs() <= 1e-5 * want.abs().max()).all()
+    torch._dynamo.reset()
+    graph = torch.compile(layer.forward, fullgraph=True)
+    with torch.inference_mode():
+        small = x[:2].clone()
+        torch._dynamo.mark_dynamic(small, 0)
+        assert torch.equal(graph(small), eager[0])
+        with torch.compiler.set_stance("fail_on_recompile"):
+            assert torch.equal(graph(x.clone()), eager[1])
+
+
+@needs_onednn
+@needs_q4a8
+def test_a_float32_q8_linear_feeds_both_halves_to_the_avx2_kernel():
+    q8 = _q8_blocks(_q8_rows(rows=160, cols=96, seed=7))
+    halves = _dequantized(q8, rounded=False)  # (160, 192)
+    layer = Linear.of(halves[:, :96] + halves[:, 96:], None)
+    layer.pack()
+    layer.attach_q4([q8], max_tokens=1)
+    assert layer.q4a8 and layer.q4_halves == 2
+    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(8))
+    want = w4a8_reference(torch.cat([x[:1], x[:1]], dim=1), q8)
+    assert ((layer(x[:1]).double() - want).abs() <= 1e-5 * want.abs().max()).all()
 
 
 @needs_onednn
