@@ -1,4 +1,5 @@
-"""scripts/cpu_peak.py builds its vdpbf16ps loop and prints a positive rate per thread count."""
+"""scripts/cpu_peak.py builds its vdpbf16ps loop (or, without AVX512-BF16, its AVX2 loops) and
+prints a positive rate per thread count."""
 
 from __future__ import annotations
 
@@ -28,3 +29,23 @@ def test_it_prints_one_positive_peak_per_thread_count():
     for line in lines:
         found = re.search(r"(\d+) GFLOP/s bfloat16 peak", line)
         assert found and int(found.group(1)) > 0, line
+
+
+@pytest.mark.skipif(
+    kernels.BF16_FLAG in kernels.cpu_flags() or not kernels.cpu_supports_avx2(),
+    reason="the AVX2 loops run where AVX512-BF16 is missing and AVX2 is there",
+)
+def test_without_avx512_bf16_it_prints_the_avx2_peaks_per_thread_count():
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--rounds", "200000", "--threads", "1,2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert [line.split(" ")[0] for line in lines] == ["1", "2"]
+    for line in lines:
+        rates = re.findall(r"(\d+) G multiply-adds/s (float32 vfmadd|int8 vpmaddubsw)", line)
+        assert [name for _, name in rates] == ["float32 vfmadd", "int8 vpmaddubsw"], line
+        assert all(int(rate) > 0 for rate, _ in rates), line
