@@ -35,7 +35,7 @@ the sampler's greedy choices.
 ``torch.ops.nanoserve.decode_attention_f32``: ``decode_attention`` over a float32 pool, in AVX2
 and FMA (``csrc/decode_attention_f32.cpp``): the float32 decodes of the same backend.
 ``torch.ops.nanoserve.q4a8_linear_f32``: float32 rows, quantized to 8 bits in groups of 32, times
-``pack_q4``'s 4-bit matrix, in AVX2 (``csrc/q4a8_linear_f32.cpp``): the linears of the float32
+``pack_q4a8``'s 4-bit matrix, in AVX2 (``csrc/q4a8_linear_f32.cpp``): the linears of the float32
 that ``auto`` picks on a CPU without native bfloat16. These two are the operators built on a
 CPU with AVX2 but not AVX-512 (``loaded()`` without ``available()``).
 

@@ -39,7 +39,7 @@ class Linear(nn.Linear):
     q4_max_tokens: int = 0
     q4_halves: int = 1  # 2 for an 8-bit weight held as two 4-bit halves: the input goes to both
     q4_kernel: bool = False  # q4 is ``pack_q4``'s form, for torch.ops.nanoserve.q4_linear
-    # q4 is ``pack_q4``'s form, for torch.ops.nanoserve.q4a8_linear_f32 (float32 rows)
+    # q4 is ``pack_q4a8``'s form, for torch.ops.nanoserve.q4a8_linear_f32 (float32 rows)
     q4a8: bool = False
     # ``pack_w4a8``'s integers: steps of more than q4_max_tokens rows (torch.ops.nanoserve.
     # w4a8_linear, with q4's scales and lows)
@@ -84,7 +84,7 @@ class Linear(nn.Linear):
         self.q4_halves = parts[0].q.shape[1] // self.in_features
         dtype = (self.weight if self.packed is None else self.packed).dtype
         if dtype == torch.float32 and kernels.loaded():
-            packed = pack_q4(parts)
+            packed = pack_q4a8(parts)
             if packed is not None:
                 self.q4, self.q4a8 = packed, True
                 if w4a8:
@@ -171,6 +171,25 @@ def pack_q4(parts: list[Q4Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(blocks, groups, 256)
     scale, low = (t.view(blocks, 16, groups).transpose(1, 2).half() for t in (scale, low))
     return packed.contiguous(), scale.contiguous(), low.contiguous()
+
+
+def pack_q4a8(parts: list[Q4Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``parts`` stacked by rows in ``csrc/q4a8_linear_f32.cpp``'s layout: the nibbles (N / 16,
+    K / 32, 256) uint8 in 8-row x 4-column chunks, and ``pack_q4``'s scales and lows. None
+    where ``pack_q4`` gives None."""
+    packed = pack_q4(parts)
+    if packed is None:
+        return None
+    _, scale, low = packed
+    q = torch.cat([part.q for part in parts])  # (N, K) uint8 in [0, 16)
+    rows, cols = q.shape
+    if -rows % 16:  # zero rows: nothing, sliced off the output
+        q = torch.cat((q, q.new_zeros(-rows % 16, cols)))
+    blocks, groups = q.shape[0] // 16, cols // 32
+    # column 16 h + 4 k + t of row 8 r + i -> byte (r, k, i, t) of its 256, nibble h
+    nibbles = q.view(blocks, 2, 8, groups, 2, 4, 4).permute(0, 3, 1, 5, 2, 6, 4)
+    chunks = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(blocks, groups, 256)
+    return chunks.contiguous(), scale, low
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:

@@ -110,7 +110,7 @@ def _log_ready(worker, ready: WorkerReady) -> None:
         log.info(
             "%d linears run on the GGUF's 4-bit weights times 8-bit activations (AVX2)%s",
             worker.q4_linears,
-            ", every step" if worker.config.w4a8 else "",
+            ", every step (the lm head: single rows)" if worker.config.w4a8 else "",
         )
     elif worker.q4_linears:
         log.info(
@@ -210,13 +210,15 @@ def resident_bytes() -> int:
         return 0
 
 
-def _runs_w4a8(model) -> bool:
+def _linears(model) -> list:
     from worker.linear import Linear
 
-    return any(isinstance(m, Linear) and m.w4a8 is not None for m in model.modules())
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
+def _runs_w4a8(model) -> bool:
+    return any(m.w4a8 is not None for m in _linears(model))
 
 
 def _runs_q4a8(model) -> bool:
-    from worker.linear import Linear
-
-    return any(isinstance(m, Linear) and m.q4a8 for m in model.modules())
+    return any(m.q4a8 for m in _linears(model))

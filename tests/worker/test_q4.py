@@ -141,6 +141,28 @@ def test_a_float32_linear_rounds_its_small_steps_rows_for_torchs_4bit_kernel(mon
     assert torch.equal(large, layer(x))
 
 
+def test_the_lm_heads_avx2_row_limit_is_the_compiled_steps_batch():
+    """A compiled graph's batch of 2 to MAX_BATCH rows must take one side of the head's limit:
+    a limit inside that range would put a guard on the batch and a second graph after it."""
+    from worker.compiled import MAX_BATCH
+    from worker.cpu_weights import LM_HEAD_Q4A8_MAX_ROWS
+
+    assert LM_HEAD_Q4A8_MAX_ROWS == MAX_BATCH
+
+
+def _assert_one_graph_for_2_and_12_rows(layer: Linear, x: torch.Tensor, eager: list) -> None:
+    """``layer`` compiled with a dynamic batch gives ``eager``'s outputs for ``x[:2]`` and ``x``
+    (12 rows), the second without recompiling."""
+    torch._dynamo.reset()
+    graph = torch.compile(layer.forward, fullgraph=True)
+    with torch.inference_mode():
+        small = x[:2].clone()
+        torch._dynamo.mark_dynamic(small, 0)
+        assert torch.equal(graph(small), eager[0])
+        with torch.compiler.set_stance("fail_on_recompile"):
+            assert torch.equal(graph(x.clone()), eager[1])
+
+
 needs_q4a8 = pytest.mark.skipif(not kernels.loaded(), reason="q4a8_linear_f32 needs AVX2")
 
 
@@ -184,14 +206,7 @@ def test_with_w4a8_every_step_of_a_float32_linear_takes_8bit_activations_in_one_
     for rows, got in zip((2, 12), eager, strict=True):
         want = w4a8_reference(x[:rows], q4)
         assert ((got.double() - want).abs() <= 1e-5 * want.abs().max()).all()
-    torch._dynamo.reset()
-    graph = torch.compile(layer.forward, fullgraph=True)
-    with torch.inference_mode():
-        small = x[:2].clone()
-        torch._dynamo.mark_dynamic(small, 0)
-        assert torch.equal(graph(small), eager[0])
-        with torch.compiler.set_stance("fail_on_recompile"):
-            assert torch.equal(graph(x.clone()), eager[1])
+    _assert_one_graph_for_2_and_12_rows(layer, x, eager)
 
 
 @needs_onednn
@@ -201,11 +216,15 @@ def test_a_float32_q8_linear_feeds_both_halves_to_the_avx2_kernel():
     halves = _dequantized(q8, rounded=False)  # (160, 192)
     layer = Linear.of(halves[:, :96] + halves[:, 96:], None)
     layer.pack()
-    layer.attach_q4([q8], max_tokens=1)
+    layer.attach_q4([q8], max_tokens=32)  # the lm head's LM_HEAD_Q4A8_MAX_ROWS
     assert layer.q4a8 and layer.q4_halves == 2
-    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(8))
-    want = w4a8_reference(torch.cat([x[:1], x[:1]], dim=1), q8)
-    assert ((layer(x[:1]).double() - want).abs() <= 1e-5 * want.abs().max()).all()
+    x = torch.randn(33, 96, generator=torch.Generator().manual_seed(8))
+    for rows in (1, 32):
+        want = w4a8_reference(torch.cat([x[:rows], x[:rows]], dim=1), q8)
+        assert ((layer(x[:rows]).double() - want).abs() <= 1e-5 * want.abs().max()).all()
+    plain = layer(x)  # 33 rows: the float32 matrix's own numbers
+    layer.q4 = None
+    assert torch.equal(plain, layer(x))
 
 
 @needs_onednn
@@ -253,14 +272,7 @@ def test_a_compiled_4bit_linear_has_one_graph_for_every_batch(private_cache, w4a
     layer.attach_q4(parts, max_tokens=3, w4a8=w4a8)
     x = torch.randn(12, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
     eager = [layer(x[:2]), layer(x)]
-    torch._dynamo.reset()
-    graph = torch.compile(layer.forward, fullgraph=True)
-    with torch.inference_mode():
-        small = x[:2].clone()
-        torch._dynamo.mark_dynamic(small, 0)
-        assert torch.equal(graph(small), eager[0])
-        with torch.compiler.set_stance("fail_on_recompile"):
-            assert torch.equal(graph(x.clone()), eager[1])
+    _assert_one_graph_for_2_and_12_rows(layer, x, eager)
 
 
 @needs_onednn

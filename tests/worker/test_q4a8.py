@@ -1,5 +1,5 @@
 """``torch.ops.nanoserve.q4a8_linear_f32`` (``worker/csrc/q4a8_linear_f32.cpp``): float32 rows,
-quantized to 8 bits in groups of 32, times ``pack_q4``'s 4-bit matrix, in AVX2.
+quantized to 8 bits in groups of 32, times ``pack_q4a8``'s 4-bit matrix, in AVX2.
 
 It is llama.cpp's Q4_1 x Q8_1 dot to float32's rounding, at every row count its tiles split
 into, reads each nibble as its own column, and refuses malformed input."""
@@ -12,7 +12,7 @@ from q4_cases import dequantized64, q4_case, w4a8_reference
 
 from worker import kernels
 from worker.gguf_reader import Q4Tensor
-from worker.linear import pack_q4
+from worker.linear import pack_q4a8
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +33,7 @@ def linear(x, packed):
 )  # fmt: skip
 def test_it_is_llamacpps_q4_1_q8_1_dot_to_float32_rounding(rows, cols, batch, has_min):
     q4 = q4_case(rows, cols, seed=rows + cols, has_min=has_min)
-    packed = pack_q4([q4])
+    packed = pack_q4a8([q4])
     x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch)) * 3
     if batch > 1:
         x[1, :32] = 0  # a group of zeros quantizes to zeros, not NaNs
@@ -61,14 +61,14 @@ def test_it_reads_each_nibble_as_its_own_column():
             q = torch.zeros(rows, cols, dtype=torch.uint8)
             q[row, col] = 1
             scale = torch.ones(rows, cols // 32)
-            got = linear(x, pack_q4([Q4Tensor(q, scale, 8 * scale)]))  # weight = q
+            got = linear(x, pack_q4a8([Q4Tensor(q, scale, 8 * scale)]))  # weight = q
             want = torch.zeros(4, rows)
             want[:, row] = x[:, col]
             assert torch.equal(got, want), (row, col)
 
 
 def test_it_refuses_what_it_cannot_compute():
-    packed = pack_q4([q4_case(32, 64, seed=1)])
+    packed = pack_q4a8([q4_case(32, 64, seed=1)])
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="x must be contiguous"):
         linear(x.bfloat16(), packed)

@@ -13,14 +13,14 @@
 // with the integer sum exact and the rest in float32 (summed in another order than llama.cpp's,
 // so not bit for bit).
 //
-// Layout (pack_q4 in worker/linear.py): rows in blocks of 16; per (row block, group) 256 bytes
-// where column 16 h + 2 c + t of row j is nibble h of byte 32 c + 2 j + t. A 32-byte chunk c
-// holds, per nibble, 16 rows x 2 adjacent columns: vpmaddubsw against those two columns of x,
-// broadcast, gives each row's 2-term sum in one 16-bit lane.
+// Layout (pack_q4a8 in worker/linear.py): rows in blocks of 16; per (row block, group) 256
+// bytes where column 16 h + 4 k + t of row 8 r + i is nibble h of byte 32 (4 r + k) + 4 i + t.
+// A 32-byte chunk (r, k) holds, per nibble, 8 rows x 4 adjacent columns: vpmaddubsw against
+// those four columns of x, broadcast, gives each row's two 2-term sums in its 32-bit lane.
 //
 // Shapes: x (M, K) float32, contiguous; packed (N / 16, K / 32, 256) uint8; scale and low
-// (N / 16, K / 32, 16) float16 -> out (M, N) float32 (N a multiple of 16: the caller slices
-// off padded rows).
+// (N / 16, K / 32, 16) float16 (pack_q4's) -> out (M, N) float32 (N a multiple of 16: the
+// caller slices off padded rows).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -93,43 +93,48 @@ void tile(const int8_t* xq, const float* d, const float* s, int64_t K, const uin
   for (int m = 0; m < MB; ++m) total[m][0] = total[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* w = packed + (rb * G + g) * 256;
-    // Per row of x, 16-bit sums of each row of W over the group's low nibbles (columns 0-15)
-    // and high ones (16-31): 8 products of at most 15 * 127 a pair stay within 30480.
-    __m256i lo[MB], hi[MB];
-    for (int m = 0; m < MB; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
-      const __m256i wl = _mm256_and_si256(raw, nibble);
-      const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+    // Per row of x and half of the block, 16-bit sums over the group: lane 2i + j holds row
+    // i's products of columns 4k + 2j, 4k + 2j + 1 (and 16 more), summed over k. Each of the
+    // 8 vpmaddubsw added is at most 2 * 15 * 127, so they stay within 30480.
+    __m256i acc[MB][2];
+    for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {
+      __m256i wl[2], wh[2];
+      for (int r = 0; r < 2; ++r) {
+        const __m256i raw =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * (4 * r + k)));
+        wl[r] = _mm256_and_si256(raw, nibble);
+        wh[r] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+      }
       for (int m = 0; m < MB; ++m) {
+        // Columns 4k .. 4k + 3 and 16 + 4k .. 19 + 4k of x, broadcast: a 32-bit broadcast from
+        // memory is a plain load, where a 16-bit one also takes a shuffle.
         const int8_t* a = xq + (m0 + m) * K + g * 32;
-        int16_t pair_lo, pair_hi;  // columns 2c, 2c + 1 and 16 + 2c, 17 + 2c
-        std::memcpy(&pair_lo, a + 2 * c, 2);
-        std::memcpy(&pair_hi, a + 16 + 2 * c, 2);
-        lo[m] = _mm256_add_epi16(lo[m], _mm256_maddubs_epi16(wl, _mm256_set1_epi16(pair_lo)));
-        hi[m] = _mm256_add_epi16(hi[m], _mm256_maddubs_epi16(wh, _mm256_set1_epi16(pair_hi)));
+        int32_t four_lo, four_hi;
+        std::memcpy(&four_lo, a + 4 * k, 4);
+        std::memcpy(&four_hi, a + 16 + 4 * k, 4);
+        const __m256i xl = _mm256_set1_epi32(four_lo), xh = _mm256_set1_epi32(four_hi);
+        for (int r = 0; r < 2; ++r)
+          acc[m][r] = _mm256_add_epi16(
+              acc[m][r], _mm256_add_epi16(_mm256_maddubs_epi16(wl[r], xl),
+                                          _mm256_maddubs_epi16(wh[r], xh)));
       }
     }
     const int64_t at = (rb * G + g) * 16;  // in float16s
-    const __m256 ws0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + at)));
-    const __m256 ws1 =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + at + 8)));
-    const __m256 wl0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + at)));
-    const __m256 wl1 =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + at + 8)));
+    __m256 ws[2], wlow[2];
+    for (int r = 0; r < 2; ++r) {
+      ws[r] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + at + 8 * r)));
+      wlow[r] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + at + 8 * r)));
+    }
     for (int m = 0; m < MB; ++m) {
-      // lo + hi per row in 32 bits: interleaved, pairs summed; the unpacks leave rows
-      // [0-3 | 8-11] and [4-7 | 12-15], put in order by the lane permutes.
-      const __m256i a = _mm256_madd_epi16(_mm256_unpacklo_epi16(lo[m], hi[m]), ones);
-      const __m256i b = _mm256_madd_epi16(_mm256_unpackhi_epi16(lo[m], hi[m]), ones);
-      const __m256 dot0 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, b, 0x20));
-      const __m256 dot1 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, b, 0x31));
       const __m256 dm = _mm256_set1_ps(d[(m0 + m) * G + g]);
       const __m256 sm = _mm256_set1_ps(s[(m0 + m) * G + g]);
-      total[m][0] = _mm256_fmadd_ps(dot0, _mm256_mul_ps(ws0, dm), total[m][0]);
-      total[m][0] = _mm256_fmadd_ps(wl0, sm, total[m][0]);
-      total[m][1] = _mm256_fmadd_ps(dot1, _mm256_mul_ps(ws1, dm), total[m][1]);
-      total[m][1] = _mm256_fmadd_ps(wl1, sm, total[m][1]);
+      for (int r = 0; r < 2; ++r) {
+        // Each row's two 16-bit sums added in 32 bits: lane i is row 8r + i.
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m][r], ones));
+        total[m][r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(ws[r], dm), total[m][r]);
+        total[m][r] = _mm256_fmadd_ps(wlow[r], sm, total[m][r]);
+      }
     }
   }
   for (int m = 0; m < MB; ++m) {
