@@ -141,15 +141,6 @@ def test_a_float32_linear_rounds_its_small_steps_rows_for_torchs_4bit_kernel(mon
     assert torch.equal(large, layer(x))
 
 
-def test_the_lm_heads_avx2_row_limit_is_the_compiled_steps_batch():
-    """A compiled graph's batch of 2 to MAX_BATCH rows must take one side of the head's limit:
-    a limit inside that range would put a guard on the batch and a second graph after it."""
-    from worker.compiled import MAX_BATCH
-    from worker.cpu_weights import LM_HEAD_Q4A8_MAX_ROWS
-
-    assert LM_HEAD_Q4A8_MAX_ROWS == MAX_BATCH
-
-
 def _assert_one_graph_for_2_and_12_rows(layer: Linear, x: torch.Tensor, eager: list) -> None:
     """``layer`` compiled with a dynamic batch gives ``eager``'s outputs for ``x[:2]`` and ``x``
     (12 rows), the second without recompiling."""
@@ -216,7 +207,7 @@ def test_a_float32_q8_linear_feeds_both_halves_to_the_avx2_kernel():
     halves = _dequantized(q8, rounded=False)  # (160, 192)
     layer = Linear.of(halves[:, :96] + halves[:, 96:], None)
     layer.pack()
-    layer.attach_q4([q8], max_tokens=32)  # the lm head's LM_HEAD_Q4A8_MAX_ROWS
+    layer.attach_q4([q8], max_tokens=32)
     assert layer.q4a8 and layer.q4_halves == 2
     x = torch.randn(33, 96, generator=torch.Generator().manual_seed(8))
     for rows in (1, 32):

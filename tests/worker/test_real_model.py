@@ -16,7 +16,7 @@ from driver import Driver, Request, greedy_requests
 
 from worker import config, kernels
 from worker.attention import TorchBackend
-from worker.cpu_weights import LM_HEAD_Q4A8_MAX_ROWS
+from worker.cpu_weights import LM_HEAD_Q4_MAX_ROWS
 
 pytestmark = pytest.mark.slow
 
@@ -187,7 +187,7 @@ def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts,
     if kernels.loaded():
         q4a8 = [m for m in auto.model.modules() if getattr(m, "q4a8", False)]
         assert len(q4a8) == 30 * 4 + 1
-        assert auto.model.lm_head.q4_max_tokens == LM_HEAD_Q4A8_MAX_ROWS  # the others: all rows
+        assert auto.model.lm_head.q4_max_tokens == LM_HEAD_Q4_MAX_ROWS  # the others: all rows
         name = "float32 (auto), 4-bit x 8-bit"
         runs.append((name, reference[:4], auto_runs, W4A8_TOL, W4A8_AGREE))
     else:
