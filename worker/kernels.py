@@ -44,8 +44,9 @@ directory named by the torch version and a hash of the sources, flags and torch'
 load from there afterwards without ninja: a changed source, header, flag or torch build builds
 anew, and every checkout and virtual environment with the same sources and the same torch
 shares one build. On a CPU without AVX-512, or where the build fails,
-``available()`` is False and callers keep their torch code; on one with AVX2 and FMA,
-``loaded()`` may still be True (the float32 attention).
+``available()`` is False and callers keep their torch code; on one with AVX2, FMA and F16C,
+``loaded()`` may still be True (``AVX2_SOURCES``: the float32 attention and the 4-bit x 8-bit
+linear).
 """
 
 from __future__ import annotations
