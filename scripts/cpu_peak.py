@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # worker.kernels
+
 SOURCE = r"""
 #include <immintrin.h>
 #include <chrono>
@@ -109,17 +111,6 @@ extern "C" double seconds(long iters, long threads, long kind) {
 AVX2_KINDS = ((0, "float32 vfmadd", 12 * 8), (1, "int8 vpmaddubsw", 12 * 32))
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def _avx2_peaks(compiler: str, rounds: int, thread_counts: list[int]) -> None:
     """One line per thread count: float32 FMA and int8 vpmaddubsw peaks, G multiply-adds/s."""
     with tempfile.TemporaryDirectory() as build:
@@ -149,7 +140,9 @@ def main() -> int:
     if compiler is None:
         print("cpu_peak: needs a C++ compiler (g++)", file=sys.stderr)
         return 2
-    flags = _cpu_flags()
+    from worker.kernels import cpu_flags
+
+    flags = cpu_flags()
     if "avx512_bf16" not in flags:
         if not {"avx2", "fma"} <= flags:
             print("cpu_peak: needs AVX512-BF16, or AVX2 and FMA", file=sys.stderr)
