@@ -90,7 +90,7 @@ class CompiledDecode:
         """Like ``LlamaModel.forward`` for an accepted step: input_ids, positions (B,) ->
         hidden states (B, hidden), with the new K/V written into the cache."""
         batch, blocks = input_ids.shape[0], meta.decodes.blocks  # blocks (B, M)
-        cos, sin = rotary_cos_sin(self.model.inv_freq, positions, self.cache.pool.dtype)
+        cos, sin = rotary_cos_sin(self.model.inv_freq, positions, self.attention.dtype)
         args = (input_ids, cos, sin, blocks, meta.decodes.cached)
         if batch > 1:  # one graph for every batch of 2..MAX_BATCH rows; batch 1 has its own
             for tensor in args:
@@ -100,7 +100,8 @@ class CompiledDecode:
         torch._dynamo.maybe_mark_dynamic(layers, 3)  # one graph whatever the pool's size
         with torch.compiler.set_stance(self.stance):
             hidden, new_kv = self._graph(self.model, self._decode, layers, *args)
-        # new_kv (num_layers, B, 2, n_kv, hd) -> (num_layers * 2, n_kv, B, hd), as the pool.
+        # new_kv (num_layers, B, 2, n_kv, hd) -> (num_layers * 2, n_kv, B, hd), as the pool (and
+        # in its dtype: the graph casts, float16 under float32).
         num_layers, _, two, n_kv, hd = new_kv.shape
         columns = new_kv.permute(0, 2, 3, 1, 4).reshape(num_layers * two, n_kv, batch, hd)
         layers.view(num_layers * two, n_kv, -1, hd).index_copy_(2, meta.write_index, columns)
@@ -151,7 +152,7 @@ def _decode_graph(model, decode, layers, input_ids, cos, sin, blocks, cached):
     for index, layer in enumerate(model.model.layers):
         x, kv = _decoder_layer(layer, decode, x, cos, sin, layers[index], *rows)
         new_kv.append(kv)
-    return model.model.norm(x), torch.stack(new_kv)
+    return model.model.norm(x), torch.stack(new_kv).to(layers.dtype)
 
 
 @torch.compiler.nested_compile_region

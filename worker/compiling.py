@@ -9,8 +9,8 @@ in a thread of its own (a few seconds of tracing; its steps go on meanwhile) and
 with one assignment. A restarted worker, or the next start, finds the marker and only loads.
 
 The cache lives under ``<cache_root>/inductor/<key>``, the key naming everything that changes
-the graphs: torch's version and install directory, the model, the dtype, the 4-bit limit, the
-block size, the thread count and the source of the code that is traced.
+the graphs: torch's version and install directory, the model, the dtype and the K/V's, the 4-bit
+limit, the block size, the thread count and the source of the code that is traced.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def compile_dir(config: WorkerConfig, model_id: str, threads: int) -> Path:
         str(Path(torch.__file__).resolve().parent),
         model_id,
         config.resolved_dtype,
+        config.kv_cache_dtype,
         str(config.q4_max_tokens),
         str(config.w4a8),
         str(config.block_size),

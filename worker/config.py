@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # What /proc/cpuinfo calls the instructions that compute in bfloat16 natively.
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -31,6 +32,11 @@ class WorkerConfig:
     4-bit weights times activations quantized to 8 bits in groups of 32 (llama.cpp's numerics
     for a Q4_1 matrix), not on bfloat16 matrices (``csrc/w4a8_linear.cpp``). In ``auto``'s
     float32, every step of every layer's linears does (``csrc/q4a8_linear_f32.cpp``).
+    ``kv_cache_dtype``: the K/V pool's dtype. ``auto`` is float16 under the float32 that ``auto``
+    picks on a CPU, where the AVX2 decode kernel reads it (``csrc/decode_attention_f32.cpp``;
+    llama.cpp's default f16 K/V): half the bytes a decode reads, twice the blocks in the same
+    memory. Elsewhere ``auto`` is the model's dtype, and an explicit value must be that dtype
+    or float16 under such a float32 model.
     ``compile``: on CPU, decode-only steps of at most 32 rows run as one ``torch.compile``d graph
     (``worker.compiled``); None: wherever it pays (CPU, off the generic path, torch >= 2.13).
     ``adapt_threads``: on CPU with one rank, drop to one thread while another process holds a
@@ -52,6 +58,7 @@ class WorkerConfig:
     num_threads: int | None = None
     q4_max_tokens: int = 8
     w4a8: bool = True
+    kv_cache_dtype: str = "auto"
     compile: bool | None = None
     generic_path: bool = False
     adapt_threads: bool = True
@@ -59,6 +66,11 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         _positive("block_size", self.block_size)

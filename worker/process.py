@@ -100,6 +100,8 @@ def _log_ready(worker, ready: WorkerReady) -> None:
         ready.num_slots,
         ready.max_model_len,
     )
+    if worker.kv_dtype != worker.dtype:
+        log.info("K/V pool in %s (the model computes in %s)", _name(worker.kv_dtype), ready.dtype)
     if ready.tensor_parallel_size > 1:
         log.info(
             "tensor parallel: %d ranks, each with its share of heads", ready.tensor_parallel_size
@@ -214,6 +216,10 @@ def _linears(model) -> list:
     from worker.linear import Linear
 
     return [m for m in model.modules() if isinstance(m, Linear)]
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _runs_w4a8(model) -> bool:

@@ -24,7 +24,7 @@ from protocol.messages import (
     WorkerReady,
 )
 from worker import kernels, tp_steps
-from worker.attention import select_backend
+from worker.attention import CpuKernelBackend, select_backend
 from worker.compiling import BackgroundCompile, start_compile, wants_compile
 from worker.config import WorkerConfig, resolve_max_model_len
 from worker.cpu_weights import attach_q4, pack_for_cpu
@@ -82,6 +82,7 @@ class Worker:
         self.eos_token_ids = checkpoint.eos_token_ids
         self.max_model_len = resolve_max_model_len(config, checkpoint.config)
         self._load_model(checkpoint)
+        self.kv_dtype = self._kv_dtype()
         self.cache = self._make_cache()
         self.row_table = RowTable(
             num_slots=config.num_slots,
@@ -139,6 +140,7 @@ class Worker:
             head_dim=self.spec.head_dim,
             block_size=self.config.block_size,
             dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
             device=self.device,
             generic=generic,
         )
@@ -165,6 +167,33 @@ class Worker:
             return "eager"
         return "compiled" if job.state == "ready" else job.state  # the next step adopts it
 
+    def _kv_dtype(self) -> torch.dtype:
+        """The pool's dtype (``WorkerConfig.kv_cache_dtype``): the model's, or float16 under a
+        float32 model whose decodes run in the AVX2 kernel, which widens it as it reads; ValueError
+        for any other."""
+        wanted = self.config.kv_cache_dtype
+        half_ok = (
+            self.dtype == torch.float32
+            and not self.config.generic_path
+            and CpuKernelBackend.supports(
+                self.dtype,
+                self.device,
+                self.spec.head_dim,
+                self.shard.local_heads,
+                self.shard.local_kv_heads,
+            )
+        )
+        if wanted == "auto":
+            auto_float32 = self.config.dtype == "auto"
+            return torch.float16 if half_ok and auto_float32 else self.dtype
+        chosen = getattr(torch, wanted)
+        if chosen != self.dtype and not (chosen == torch.float16 and half_ok):
+            raise ValueError(
+                f"kv_cache_dtype {wanted} needs a {wanted} model, or float16 a float32 one on a "
+                f"CPU with AVX2 and F16C (this worker: {self.dtype} on {self.device})"
+            )
+        return chosen
+
     def _make_cache(self) -> KVCache:
         spec, config = self.spec, self.config
         geometry = dict(
@@ -172,7 +201,7 @@ class Worker:
             block_size=config.block_size,
             n_kv_heads=self.shard.local_kv_heads,
             head_dim=spec.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
         )
         num_blocks = config.num_blocks
         if num_blocks is None:

@@ -63,6 +63,13 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         "(default on; --no-w4a8: bfloat16 matrices)",
     )
     group.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default=env("kv_cache_dtype", "auto"),
+        help="the K/V pool's dtype. auto: float16 under auto's float32 on a CPU (as llama.cpp's "
+        "f16 K/V: half the bytes a decode reads), else the model's dtype",
+    )
+    group.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=env("compile", None, bool),
@@ -178,6 +185,7 @@ def worker_config(args: argparse.Namespace):
         num_threads=args.threads,
         q4_max_tokens=args.q4_max_tokens,
         w4a8=args.w4a8,
+        kv_cache_dtype=args.kv_cache_dtype,
         compile=args.compile,
         generic_path=args.generic_path,
         adapt_threads=args.adapt_threads,

@@ -1,10 +1,12 @@
 """``torch.ops.nanoserve.decode_attention_f32`` (``worker/csrc/decode_attention_f32.cpp``): decode
-attention over a paged float32 pool in AVX2, built on any CPU with AVX2 and FMA.
+attention over a paged float32 or float16 pool in AVX2, built on any CPU with AVX2, FMA and F16C.
 
 It equals float64 softmax attention to float32's rounding, reads the right blocks and nothing
 past a row's cached positions, takes the new token from ``kv``, refuses what it cannot do, and
 is what a CPU worker's float32 decodes use, with the same tokens as the torch backend's (the
-compiled steps' use is in ``test_compiled.py``)."""
+compiled steps' use is in ``test_compiled.py``). Over a float16 pool (``auto``'s float32) it
+gives bit for bit what it gives over that pool widened to float32, and a worker with such a pool
+stays within float16's rounding of the float32 one."""
 
 from __future__ import annotations
 
@@ -43,6 +45,26 @@ def test_it_equals_float64_attention_to_float32_rounding(n_kv, nq, hd):
     # float32 sums of up to 256 products of order 1, and the exp's 2e-7.
     error = (got.double() - want).abs()
     assert (error <= want.abs() * 1e-5 + 1e-5).all(), error.max().item()
+
+
+@pytest.mark.parametrize(**HEADS)
+def test_over_a_float16_pool_it_gives_what_the_widened_pool_gives(n_kv, nq, hd):
+    """vcvtph2ps widens each value exactly, and the arithmetic after it is the float32 path's:
+    bit for bit the result over the same values held in float32."""
+    lengths = [0, 1, 15, 16, 17, 100, 255]
+    q, kv, layer, blocks, cached = _f32_case(n_kv, nq, hd, lengths, seed=nq + hd + 1)
+    half = layer.half()
+    got = attend(q, kv, half, blocks, cached)
+    assert torch.equal(got, attend(q, kv, half.float(), blocks, cached))
+    want = reference(q, kv, half.float(), blocks, cached)
+    assert ((got.double() - want).abs() <= want.abs() * 1e-5 + 1e-5).all()
+    # Several threads and prefetches of the next task's blocks read the same float16 values.
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(attend(q, kv, half, blocks, cached), got)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_it_runs_on_several_threads_as_on_one():
@@ -101,6 +123,8 @@ def test_it_refuses_what_it_cannot_compute():
     q, kv, layer, blocks, cached = _f32_case(3, 9, 64, [5], seed=3)
     with pytest.raises(RuntimeError, match="must be float32"):
         attend(q.bfloat16(), kv, layer, blocks, cached)
+    with pytest.raises(RuntimeError, match="layer float32 or float16"):
+        attend(q, kv, layer.bfloat16(), blocks, cached)
     with pytest.raises(RuntimeError, match="contiguous int64"):
         attend(q, kv, layer, blocks.int(), cached)
     assert not torch.ops.nanoserve.decode_attention_f32_supports(48, 3)
@@ -173,3 +197,36 @@ def test_turned_off_by_the_environment_float32_keeps_torch(tiny_dir, monkeypatch
         monkeypatch.delenv("NANOSERVE_KERNELS")
         kernels.loaded.cache_clear()
         assert kernels.loaded()
+
+
+def test_a_float16_pool_under_float32_stays_within_its_rounding(tiny_dir):
+    """``kv_cache_dtype="float16"`` (what ``auto`` picks under its float32): K/V are written
+    rounded to float16 (eagerly and by prefill and decode alike) and read back widened; the
+    logits stay within that rounding of the float32 pool's, and the pool holds twice the blocks
+    in the same memory."""
+    exact = make_worker(tiny_dir, dtype="float32", kv_cache_memory=1 << 20, num_blocks=None)
+    half = make_worker(
+        tiny_dir,
+        dtype="float32",
+        kv_cache_dtype="float16",
+        kv_cache_memory=1 << 20,
+        num_blocks=None,
+    )
+    assert exact.kv_dtype == torch.float32 and half.kv_dtype == torch.float16
+    assert half.cache.pool.dtype == torch.float16 and half.attention.dtype == torch.float32
+    assert half.cache.num_blocks == 2 * exact.cache.num_blocks
+    for a, b in zip(_run_mixed(exact), _run_mixed(half), strict=True):
+        worst = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
+        assert 0 < worst < 1e-2, worst  # float16's 11 bits, not float32's 24
+
+
+def test_the_kv_cache_dtype_is_the_models_unless_float16_can_be_read(tiny_dir):
+    from worker.config import WorkerConfig
+
+    assert make_worker(tiny_dir, dtype="float32").kv_dtype == torch.float32  # explicit: exact
+    with pytest.raises(ValueError, match="kv_cache_dtype float16 needs"):
+        make_worker(tiny_dir, dtype="float32", kv_cache_dtype="float16", generic_path=True)
+    with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 needs a bfloat16 model"):
+        make_worker(tiny_dir, dtype="float32", kv_cache_dtype="bfloat16")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        WorkerConfig(kv_cache_dtype="int8")

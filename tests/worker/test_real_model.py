@@ -176,8 +176,8 @@ def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts,
         runs.append(("4-bit x 8-bit, all at once", reference, all_at_once, W4A8_TOL, W4A8_AGREE))
     # The float32 that ``auto`` picks on a CPU without native bfloat16 (simulated): every step
     # on the same 4-bit weights times 8-bit activations in nanoserve's AVX2 kernel (llama.cpp's
-    # numerics), or where it is not built, small steps through torch's kernel, their rows
-    # rounded to bfloat16.
+    # numerics) over a float16 K/V pool, or where it is not built, small steps through torch's
+    # kernel, their rows rounded to bfloat16.
     monkeypatch.setattr(config, "BF16_CPU_FLAGS", ("no-such-flag",))
     monkeypatch.setattr(kernels, "uses_bf16", lambda: False)
     auto = make_worker(None, block_size=16, num_blocks=512, num_slots=12, dtype="auto")
@@ -188,6 +188,7 @@ def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts,
         q4a8 = [m for m in auto.model.modules() if getattr(m, "q4a8", False)]
         assert len(q4a8) == 30 * 4 + 1
         assert auto.model.lm_head.q4_max_tokens == LM_HEAD_Q4_MAX_ROWS  # the others: all rows
+        assert auto.kv_dtype == torch.float16  # K/V rounded to float16 as well, as llama.cpp's
         name = "float32 (auto), 4-bit x 8-bit"
         runs.append((name, reference[:4], auto_runs, W4A8_TOL, W4A8_AGREE))
     else:

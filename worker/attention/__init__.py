@@ -40,20 +40,25 @@ def select_backend(
     block_size: int,
     dtype: torch.dtype,
     device: str,
+    kv_dtype: torch.dtype | None = None,
     generic: bool = False,
 ) -> AttentionBackend:
-    """The backend for this model's heads over a pool of ``dtype`` on ``device``: nanoserve's
-    CPU kernel where it serves them, else torch; always torch when ``generic``. May build the
-    kernel (``worker.kernels``)."""
+    """The backend for this model's heads, computing in ``dtype`` over a pool of ``kv_dtype``
+    (default: ``dtype``) on ``device``: nanoserve's CPU kernel where it serves them, else torch;
+    always torch when ``generic``. May build the kernel (``worker.kernels``)."""
+    kv_dtype = kv_dtype or dtype
     geometry = dict(
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
         block_size=block_size,
         dtype=dtype,
+        kv_dtype=kv_dtype,
         device=device,
     )
     own = not generic and CpuKernelBackend.supports(dtype, device, head_dim, n_heads, n_kv_heads)
+    if kv_dtype != dtype and not (own and dtype == torch.float32 and kv_dtype == torch.float16):
+        raise ValueError(f"no attention backend computes in {dtype} over a {kv_dtype} pool")
     backend = CpuKernelBackend(**geometry) if own else TorchBackend(**geometry)
-    log.info("attention: the %s backend, for a %s pool on %s", backend.name, dtype, device)
+    log.info("attention: the %s backend, for a %s pool on %s", backend.name, kv_dtype, device)
     return backend

@@ -13,6 +13,8 @@ model and the compiled decode step call it and never ask which one they have:
 
 Shapes: q (T, n_heads, hd); kv (T, 2, n_kv, hd), each token's new K and V side by side; one
 layer of the cache (2, n_kv, S, hd), S = (num_blocks + 1) * block_size, as ``KVCache.layer``.
+q and kv are in the model's dtype (``dtype``); the cache may be narrower (``kv_dtype``: float16
+under float32, on the CPU kernel's float32 path), and what is written to it is rounded to it.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ class AttentionBackend(ABC):
         block_size: int,
         dtype: torch.dtype,
         device: str,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.block_size, self.dtype, self.device = block_size, dtype, device
+        self.kv_dtype = kv_dtype or dtype
 
     def metadata(
         self, items: list[tuple[list[int], int, int]], *, trash_block: int | None = None
@@ -75,7 +79,7 @@ class AttentionBackend(ABC):
         """One eager layer: write kv (T, 2, n_kv, hd) into ``layer`` at ``meta.write_index``,
         then attend; q (T, n_heads, hd) -> (T, n_heads, hd). K and V travel together: one write
         per layer instead of two."""
-        layer.index_copy_(2, meta.write_index, kv.permute(1, 2, 0, 3))
+        layer.index_copy_(2, meta.write_index, kv.permute(1, 2, 0, 3).to(layer.dtype))
         if not meta.prefills:
             return self.decode(q, kv, layer, meta.decodes, scratch)
         lone = meta.prefills[0]

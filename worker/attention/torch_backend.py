@@ -62,7 +62,8 @@ class TorchBackend(AttentionBackend):
             ks = kv[span.begin : span.end, 0].transpose(0, 1)  # (n_kv, n, hd)
             vs = kv[span.begin : span.end, 1].transpose(0, 1)
         else:
-            ks, vs = gather_blocks(layer, span.blocks, self.block_size)  # (n_kv, M * bs, hd)
+            # (n_kv, M * bs, hd) each, widened from a narrower pool (float16 under float32)
+            ks, vs = gather_blocks(layer, span.blocks, self.block_size).to(q.dtype)
         # 4-D with enable_gqa: CPU's flash kernel takes only 4-D inputs (3-D falls back to the
         # slower math kernel), and with 4-D it handles GQA without repeated K/V.
         if span.start == 0:

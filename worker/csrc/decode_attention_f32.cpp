@@ -1,21 +1,24 @@
-// nanoserve::decode_attention_f32: one decode query per row over its paged float32 K/V, the
-// float32 decodes of the CPU-kernel attention backend (worker/attention/cpu_kernel.py), eager
-// and compiled. It needs only AVX2 and FMA, so it is built on CPUs without AVX-512 too, where
-// `auto` serves float32 (worker/kernels.py).
+// nanoserve::decode_attention_f32: one decode query per row over its paged float32 or float16
+// K/V, the float32 decodes of the CPU-kernel attention backend (worker/attention/cpu_kernel.py),
+// eager and compiled. It needs only AVX2, FMA and F16C, so it is built on CPUs without AVX-512
+// too, where `auto` serves float32 over a float16 pool (worker/kernels.py).
 //
 // The torch backend builds this attention from a gather of every cached K/V into a copy, two
 // batched matmuls and a softmax: on a 2-core Zen 3, 81 of a batch-32 decode step's 220 ms at
 // 256 positions, for 360 MiB of K/V that one pass reads in about 13 ms. Here each (row, KV
 // head) pair reads its blocks in place once: scores, an exact softmax (the max subtracted, the
-// new token included), then the weighted sum of the values, all in float32.
+// new token included), then the weighted sum of the values, all in float32. A float16 pool
+// (`auto`'s, as llama.cpp's default f16 K/V) halves the bytes: vcvtph2ps widens 8 values a load.
 //
 // Shapes: q (B, nq, hd), kv (B, 2, n_kv, hd) the new token's k and v, layer (2, n_kv, S, hd)
 // one layer of the pool, blocks (B, M) each row's block ids, cached (B,) how many positions
-// each row has cached -> out (B, nq, hd), all float32 but blocks and cached (int64). q and kv
-// may be strided views (of the qkv matmul's output); their last dimension must be contiguous.
+// each row has cached -> out (B, nq, hd), all float32 but layer (float32 or float16), blocks and
+// cached (int64). q and kv may be strided views (of the qkv matmul's output); their last
+// dimension must be contiguous.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -26,20 +29,31 @@ namespace {
 
 constexpr int64_t kSerialWork = 8192;  // (position, KV head) pairs below which one thread runs
 
-// Asks for one position's hd floats to be brought into L1 (a hint: never faults).
-inline void prefetch_row(const float* p, int64_t hd) {
-  for (int64_t byte = 0; byte < hd * 4; byte += 64)
+// Eight values of a row as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Asks for one position's hd values to be brought into L1 (a hint: never faults).
+template <typename T>
+inline void prefetch_row(const T* p, int64_t hd) {
+  for (int64_t byte = 0; byte < hd * static_cast<int64_t>(sizeof(T)); byte += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p) + byte, _MM_HINT_T0);
 }
 
 // And into L2.
-inline void prefetch_row_l2(const float* p, int64_t hd) {
-  for (int64_t byte = 0; byte < hd * 4; byte += 64)
+template <typename T>
+inline void prefetch_row_l2(const T* p, int64_t hd) {
+  for (int64_t byte = 0; byte < hd * static_cast<int64_t>(sizeof(T)); byte += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p) + byte, _MM_HINT_T1);
 }
 
+// T: the pool's element, float or c10::Half.
+template <typename T>
 struct Views {
-  const float *q, *kv, *layer;
+  const float *q, *kv;
+  const T* layer;
   const int64_t *blocks, *cached;
   float* out;
   int64_t q_row, q_head, kv_row, kv_part, kv_head;  // strides, in elements
@@ -49,34 +63,35 @@ struct Views {
 
 // The task a thread runs after this one: its table, keys, values and cached count (no table:
 // none).
+template <typename T>
 struct Later {
   const int64_t* table = nullptr;
-  const float *keys = nullptr, *values = nullptr;
+  const T *keys = nullptr, *values = nullptr;
   int64_t cached = 0;
 };
 
 // Calls f(t, pointer to position t's row) for t = 0..cached-1 by blocks (no division per
-// position), then for the new token. ``phase`` 0 reads the keys, 1 the values.
+// position), then for the new token (a float32 row). ``phase`` 0 reads the keys, 1 the values.
 //
 // Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every block
 // boundary: while reading position i of block j this asks for position i of the next block (in
 // keys-then-values order) in L1, and for position i of block j of the ``later`` task in L2, as
 // the bfloat16 kernel does (decode_attention.cpp, where it is measured).
-template <typename F>
-inline void for_each_position(const Views& v, const int64_t* table, int64_t cached,
-                              const float* keys, const float* values, int phase,
-                              const float* fresh, const Later& later, F&& f) {
+template <typename T, typename F>
+inline void for_each_position(const Views<T>& v, const int64_t* table, int64_t cached,
+                              const T* keys, const T* values, int phase, const float* fresh,
+                              const Later<T>& later, F&& f) {
   const int64_t bs = v.block_size, hd = v.hd, used = (cached + bs - 1) / bs;
-  const float* base = phase == 0 ? keys : values;
-  const float* later_base = phase == 0 ? later.keys : later.values;
+  const T* base = phase == 0 ? keys : values;
+  const T* later_base = phase == 0 ? later.keys : later.values;
   for (int64_t first = 0, j = 0; first < cached; first += bs, ++j) {
-    const float* block = base + table[j] * bs * hd;
+    const T* block = base + table[j] * bs * hd;
     const int64_t ahead = phase * used + j + 1;  // the next block, values after keys
-    const float* next = ahead < used       ? keys + table[ahead] * bs * hd
-                        : ahead < 2 * used ? values + table[ahead - used] * bs * hd
-                                           : nullptr;
+    const T* next = ahead < used       ? keys + table[ahead] * bs * hd
+                    : ahead < 2 * used ? values + table[ahead - used] * bs * hd
+                                       : nullptr;
     const int64_t count = std::min(bs, cached - first);
-    const float* far =
+    const T* far =
         later.table && first < later.cached ? later_base + later.table[j] * bs * hd : nullptr;
     const int64_t far_count = far ? std::min(bs, later.cached - first) : 0;
     for (int64_t i = 0; i < count; ++i) {
@@ -134,9 +149,9 @@ inline __m256 fold(__m256 v, Op op) {
 // Scores are kept position-major, W floats per position (G rounded up to 4 or 8; the spare
 // heads score 0 and are never read): an 8-float vector then holds whole positions, so the
 // softmax of all G heads runs on full vectors. scratch: W * (cached + 1) rounded up.
-template <int G, int C>
-void attend(const Views& v, int64_t row, int64_t head, std::vector<float>& scratch,
-            const Later& later) {
+template <typename T, int G, int C>
+void attend(const Views<T>& v, int64_t row, int64_t head, std::vector<float>& scratch,
+            const Later<T>& later) {
   constexpr int W = G <= 4 ? 4 : 8;
   constexpr int64_t kPerVector = 8 / W;  // positions per 8-float vector
   const int64_t cached = v.cached[row], length = cached + 1;  // the new token last
@@ -144,8 +159,8 @@ void attend(const Views& v, int64_t row, int64_t head, std::vector<float>& scrat
   const float scale = 1.f / std::sqrt(static_cast<float>(C * 8));
   scratch.resize(W * padded);
   float* s = scratch.data();
-  const float* keys = v.layer + head * v.layer_head;
-  const float* values = keys + v.layer_part;
+  const T* keys = v.layer + head * v.layer_head;
+  const T* values = keys + v.layer_part;
   const float* k_new = v.kv + row * v.kv_row + head * v.kv_head;
   const float* v_new = k_new + v.kv_part;
   const int64_t* table = v.blocks + row * v.blocks_row;
@@ -161,11 +176,11 @@ void attend(const Views& v, int64_t row, int64_t head, std::vector<float>& scrat
           _mm256_loadu_ps(v.q + row * v.q_row + (head * G + g) * v.q_head + c * 8),
           _mm256_set1_ps(scale));
   for_each_position(v, table, cached, keys, values, 0, k_new, later,
-                    [&](int64_t t, const float* key) {
+                    [&](int64_t t, const auto* key) {
     __m256 acc[W];
     for (int g = 0; g < W; ++g) acc[g] = _mm256_setzero_ps();
     for (int c = 0; c < C; ++c) {
-      const __m256 k = _mm256_loadu_ps(key + c * 8);
+      const __m256 k = load8(key + c * 8);
       for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(q[g][c], k, acc[g]);
     }
     for (int g = 0; g < W; g += 4)
@@ -192,11 +207,11 @@ void attend(const Views& v, int64_t row, int64_t head, std::vector<float>& scrat
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) out[g][c] = _mm256_setzero_ps();
   for_each_position(v, table, cached, keys, values, 1, v_new, later,
-                    [&](int64_t t, const float* value) {
+                    [&](int64_t t, const auto* value) {
     __m256 weight[G];
     for (int g = 0; g < G; ++g) weight[g] = _mm256_broadcast_ss(s + t * W + g);
     for (int c = 0; c < C; ++c) {
-      const __m256 val = _mm256_loadu_ps(value + c * 8);
+      const __m256 val = load8(value + c * 8);
       for (int g = 0; g < G; ++g) out[g][c] = _mm256_fmadd_ps(weight[g], val, out[g][c]);
     }
   });
@@ -206,36 +221,75 @@ void attend(const Views& v, int64_t row, int64_t head, std::vector<float>& scrat
   }
 }
 
-using AttendFn = void (*)(const Views&, int64_t, int64_t, std::vector<float>&, const Later&);
+template <typename T>
+using AttendFn = void (*)(const Views<T>&, int64_t, int64_t, std::vector<float>&,
+                          const Later<T>&);
 
-template <int C>
-AttendFn pick_group(int64_t group) {
+template <typename T, int C>
+AttendFn<T> pick_group(int64_t group) {
   switch (group) {
-    case 1: return attend<1, C>;
-    case 2: return attend<2, C>;
-    case 3: return attend<3, C>;
-    case 4: return attend<4, C>;
-    case 5: return attend<5, C>;
-    case 6: return attend<6, C>;
-    case 7: return attend<7, C>;
-    case 8: return attend<8, C>;
+    case 1: return attend<T, 1, C>;
+    case 2: return attend<T, 2, C>;
+    case 3: return attend<T, 3, C>;
+    case 4: return attend<T, 4, C>;
+    case 5: return attend<T, 5, C>;
+    case 6: return attend<T, 6, C>;
+    case 7: return attend<T, 7, C>;
+    case 8: return attend<T, 8, C>;
     default: return nullptr;
   }
 }
 
 // The instance for this head_dim (16, 32, 64 or 128) and query heads per KV head (1 to 8), or
 // null.
-AttendFn pick(int64_t head_dim, int64_t group) {
+template <typename T>
+AttendFn<T> pick(int64_t head_dim, int64_t group) {
   switch (head_dim) {
-    case 16: return pick_group<2>(group);
-    case 32: return pick_group<4>(group);
-    case 64: return pick_group<8>(group);
-    case 128: return pick_group<16>(group);
+    case 16: return pick_group<T, 2>(group);
+    case 32: return pick_group<T, 4>(group);
+    case 64: return pick_group<T, 8>(group);
+    case 128: return pick_group<T, 16>(group);
     default: return nullptr;
   }
 }
 
-bool supported(int64_t head_dim, int64_t group) { return pick(head_dim, group) != nullptr; }
+bool supported(int64_t head_dim, int64_t group) { return pick<float>(head_dim, group) != nullptr; }
+
+// Every (row, KV head) task over the threads, each told the next task of its range.
+template <typename T>
+void run_tasks(const Views<T>& v, int64_t batch, bool serial) {
+  const AttendFn<T> fn = pick<T>(v.hd, v.nq / v.n_kv);
+  const int64_t n_kv = v.n_kv;
+  auto run = [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      Later<T> later;  // the next task of this thread's range
+      if (task + 1 < end) {
+        const int64_t r = (task + 1) / n_kv, h = (task + 1) % n_kv;
+        later.table = v.blocks + r * v.blocks_row;
+        later.keys = v.layer + h * v.layer_head;
+        later.values = later.keys + v.layer_part;
+        later.cached = v.cached[r];
+      }
+      fn(v, task / n_kv, task % n_kv, scores, later);
+    }
+  };
+  if (serial)
+    run(0, batch * n_kv);
+  else
+    at::parallel_for(0, batch * n_kv, 1, run);
+}
+
+template <typename T>
+Views<T> views(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& layer,
+               const at::Tensor& blocks, const at::Tensor& cached, at::Tensor& out,
+               int64_t block_size) {
+  return Views<T>{q.data_ptr<float>(), kv.data_ptr<float>(), layer.data_ptr<T>(),
+                  blocks.data_ptr<int64_t>(), cached.data_ptr<int64_t>(), out.data_ptr<float>(),
+                  q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2),
+                  layer.stride(0), layer.stride(1), blocks.stride(0),
+                  q.size(1), layer.size(1), q.size(2), block_size};
+}
 
 at::Tensor decode_attention_f32(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& layer,
                                 const at::Tensor& blocks, const at::Tensor& cached,
@@ -246,8 +300,8 @@ at::Tensor decode_attention_f32(const at::Tensor& q, const at::Tensor& kv, const
               "blocks (B, M), cached (B,)");
   const int64_t batch = q.size(0), nq = q.size(1), hd = q.size(2), n_kv = layer.size(1);
   TORCH_CHECK(q.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat &&
-                  layer.scalar_type() == at::kFloat,
-              "decode_attention_f32: q, kv and layer must be float32");
+                  (layer.scalar_type() == at::kFloat || layer.scalar_type() == at::kHalf),
+              "decode_attention_f32: q and kv must be float32, layer float32 or float16");
   TORCH_CHECK(blocks.scalar_type() == at::kLong && cached.scalar_type() == at::kLong &&
                   blocks.stride(1) == 1 && cached.stride(0) == 1,
               "decode_attention_f32: blocks and cached must be contiguous int64");
@@ -279,33 +333,14 @@ at::Tensor decode_attention_f32(const at::Tensor& q, const at::Tensor& kv, const
     }
   }
   at::Tensor out = at::empty({batch, nq, hd}, q.options());
-  Views v{q.data_ptr<float>(), kv.data_ptr<float>(), layer.data_ptr<float>(),
-          blocks.data_ptr<int64_t>(), cached.data_ptr<int64_t>(), out.data_ptr<float>(),
-          q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2),
-          layer.stride(0), layer.stride(1), blocks.stride(0),
-          nq, n_kv, hd, block_size};
-  const AttendFn fn = pick(hd, nq / n_kv);
-  auto run = [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      Later later;  // the next task of this thread's range
-      if (task + 1 < end) {
-        const int64_t r = (task + 1) / n_kv, h = (task + 1) % n_kv;
-        later.table = v.blocks + r * v.blocks_row;
-        later.keys = v.layer + h * v.layer_head;
-        later.values = later.keys + v.layer_part;
-        later.cached = v.cached[r];
-      }
-      fn(v, task / n_kv, task % n_kv, scores, later);
-    }
-  };
   // Under about 0.1 ms of work, waking the other OpenMP threads costs more than they save.
   int64_t positions = 0;
   for (int64_t row = 0; row < batch; ++row) positions += lengths[row] + 1;
-  if (positions * n_kv < kSerialWork)
-    run(0, batch * n_kv);
+  const bool serial = positions * n_kv < kSerialWork;
+  if (layer.scalar_type() == at::kHalf)
+    run_tasks(views<c10::Half>(q, kv, layer, blocks, cached, out, block_size), batch, serial);
   else
-    at::parallel_for(0, batch * n_kv, 1, run);
+    run_tasks(views<float>(q, kv, layer, blocks, cached, out, block_size), batch, serial);
   return out;
 }
 
