@@ -36,8 +36,10 @@ the sampler's greedy choices.
 and FMA (``csrc/decode_attention_f32.cpp``): the float32 decodes of the same backend.
 ``torch.ops.nanoserve.q4a8_linear_f32``: float32 rows, quantized to 8 bits in groups of 32, times
 ``pack_q4a8``'s 4-bit matrix, in AVX2 (``csrc/q4a8_linear_f32.cpp``): the linears of the float32
-that ``auto`` picks on a CPU without native bfloat16. These two are the operators built on a
-CPU with AVX2 but not AVX-512 (``loaded()`` without ``available()``).
+that ``auto`` picks on a CPU without native bfloat16. ``torch.ops.nanoserve.rms_norm_f32`` and
+``silu_mul_f32``: that float32's eager norms and SwiGLU activation in one pass each, in AVX2
+(``csrc/pointwise_f32.cpp``). These four are the operators built on a CPU with AVX2 but not
+AVX-512 (``loaded()`` without ``available()``).
 
 The sources compile with ``torch.utils.cpp_extension`` into nanoserve's cache directory, in a
 directory named by the torch version and a hash of the sources, flags and torch's build, and
@@ -75,8 +77,11 @@ BF16_SOURCES = [
 # And where it also has AVX512-VNNI.
 VNNI_SOURCES = [_CSRC / "w4a8_linear.cpp"]
 # Built on every CPU with AVX2, FMA and F16C, with the others or alone.
-AVX2_SOURCES = [_CSRC / "decode_attention_f32.cpp", _CSRC / "q4a8_linear_f32.cpp"]
-HEADER = _CSRC / "simd.h"  # included by the sources
+AVX2_SOURCES = [
+    _CSRC / name
+    for name in ("decode_attention_f32.cpp", "q4a8_linear_f32.cpp", "pointwise_f32.cpp")
+]
+HEADERS = [_CSRC / "simd.h", _CSRC / "simd_avx2.h"]  # included by the sources
 # Written in a build directory once its library is built and loaded: later processes load it
 # as it is.
 BUILT = "nanoserve_kernels.built"
@@ -210,7 +215,7 @@ def _build(build: Path, sources: list[Path], flags: list[str]) -> None:
         log.warning("removed a kernel build's stale lock (a build was killed): %s", build)
         (build / "lock").unlink()
     copies = _copy_sources(build / "src", sources)
-    _copy_sources(build / "src", [HEADER])  # included by the sources, not listed
+    _copy_sources(build / "src", HEADERS)  # included by the sources, not listed
     cpp_extension.load(
         name="nanoserve_kernels",
         sources=[str(copy) for copy in copies],
@@ -240,7 +245,7 @@ def _build_dir(sources: list[Path], flags: list[str]) -> Path:
     from protocol.model_files import cache_root
 
     flavour = "-bf16" if uses_bf16() else ("" if cpu_supports() else "-avx2")
-    digest = _digest([*sources, HEADER], flags, torch_build())
+    digest = _digest([*sources, *HEADERS], flags, torch_build())
     kernels = cache_root() / "kernels"
     kernels.mkdir(parents=True, exist_ok=True)
     return kernels.resolve() / f"torch-{torch.__version__}{flavour}-{digest}"
@@ -299,6 +304,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("nanoserve::decode_attention_f32")
     def _(q, kv, layer, blocks, cached, block_size):
         return q.new_empty(q.shape)
+
+    @torch.library.register_fake("nanoserve::rms_norm_f32")
+    def _(x, weight, eps):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("nanoserve::silu_mul_f32")
+    def _(gate_up):
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
     @torch.library.register_fake("nanoserve::q4a8_linear_f32")
     def _(x, packed, scale, low):

@@ -85,12 +85,15 @@ class RMSNorm(nn.Module):
 
     With ``kernel`` set (the worker sets it where ``worker.kernels`` runs), eager bfloat16 steps
     take ``torch.ops.nanoserve.rms_norm``: the same formula in one pass, where eager torch runs
-    six operators. Compiled graphs keep ``F.rms_norm``, which inductor fuses with its
+    six operators; with ``kernel_f32`` (``auto``'s float32, not the exact path), eager float32
+    steps take ``torch.ops.nanoserve.rms_norm_f32`` (AVX2, sums in another order). Compiled
+    graphs keep ``F.rms_norm``, which inductor fuses with its
     neighbours. Dynamo's own flag tells them apart: torch sets ``is_compiling()`` process-wide for
     a whole compile session, so while a background thread loads the graphs, the stepping
     thread's eager steps would read it too and leave the kernels."""
 
     kernel = False
+    kernel_f32 = False
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -105,6 +108,13 @@ class RMSNorm(nn.Module):
             and not torch.compiler.is_dynamo_compiling()
         ):
             return torch.ops.nanoserve.rms_norm(x, self.weight, self.eps)
+        if (
+            self.kernel_f32
+            and x.dtype == torch.float32 == self.weight.dtype
+            and x.dim() == 2
+            and not torch.compiler.is_dynamo_compiling()
+        ):
+            return torch.ops.nanoserve.rms_norm_f32(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -162,9 +172,11 @@ class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); ``fuse`` makes gate and up one matmul. It holds the
     shard's intermediate features; down_proj's partial sums are all-reduced over the group.
     With ``kernel`` set, eager bfloat16 steps take ``torch.ops.nanoserve.silu_mul`` (one pass,
-    torch's roundings) for the activation (``RMSNorm`` says when)."""
+    torch's roundings) for the activation (``RMSNorm`` says when); with ``kernel_f32``, eager
+    float32 steps take ``torch.ops.nanoserve.silu_mul_f32`` (AVX2)."""
 
     kernel = False
+    kernel_f32 = False
 
     def __init__(self, spec: ModelSpec, shard: Shard, group: Group) -> None:
         super().__init__()
@@ -189,6 +201,13 @@ class MLP(nn.Module):
             and not torch.compiler.is_dynamo_compiling()
         ):
             return self.group.all_reduce(self.down_proj(torch.ops.nanoserve.silu_mul(gate_up)))
+        if (
+            self.kernel_f32
+            and gate_up.dtype == torch.float32
+            and not torch.compiler.is_dynamo_compiling()
+        ):
+            activation = torch.ops.nanoserve.silu_mul_f32(gate_up)
+            return self.group.all_reduce(self.down_proj(activation))
         gate, up = gate_up.chunk(2, dim=-1)  # (T, local intermediate) each
         return self.group.all_reduce(self.down_proj(F.silu(gate, inplace=True).mul_(up)))
 

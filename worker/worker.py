@@ -130,10 +130,16 @@ class Worker:
         step."""
         generic = self.config.generic_path
         own_kernels = self.device == "cpu" and not generic and kernels.available()
+        # ``auto``'s float32 (its linears already take 8-bit activations; an explicit float32
+        # stays exact): eager norms and SwiGLU in the AVX2 kernels.
+        auto_float32 = self.config.dtype == "auto" and self.dtype == torch.float32
+        own_f32 = auto_float32 and self.device == "cpu" and not generic and kernels.loaded()
         self.sampler = Sampler(self.eos_token_ids, own_argmax=own_kernels)
         for module in self.model.modules():
             if isinstance(module, (RMSNorm, MLP, Attention)):
                 module.kernel = own_kernels
+            if isinstance(module, (RMSNorm, MLP)):
+                module.kernel_f32 = own_f32
         self.attention = select_backend(
             n_heads=self.shard.local_heads,
             n_kv_heads=self.shard.local_kv_heads,

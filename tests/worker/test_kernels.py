@@ -678,14 +678,13 @@ def test_another_checkout_loads_the_same_build_without_compiling(tmp_path):
     library = built / "nanoserve_kernels.so"
     before = library.stat().st_mtime_ns
     checkout = tmp_path / "csrc"  # the same sources, elsewhere
-    shutil.copytree(kernels.HEADER.parent, checkout)
+    shutil.copytree(kernels.HEADERS[0].parent, checkout)
     script = (
         "from worker import kernels\n"
         "from pathlib import Path\n"
         f"csrc = Path({str(checkout)!r})\n"
-        "for name in ('SOURCES', 'BF16_SOURCES', 'VNNI_SOURCES'):\n"
+        "for name in ('SOURCES', 'BF16_SOURCES', 'VNNI_SOURCES', 'AVX2_SOURCES', 'HEADERS'):\n"
         "    setattr(kernels, name, [csrc / path.name for path in getattr(kernels, name)])\n"
-        "kernels.HEADER = csrc / kernels.HEADER.name\n"
         "print(kernels._load())\n"
     )
     done = subprocess.run(  # the cache directory is this session's (the conftest's fixture)

@@ -22,10 +22,14 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd_avx2.h"
+
 #include <cmath>
 #include <vector>
 
 namespace {
+
+using nanoserve_avx2::exp_neg;
 
 constexpr int64_t kSerialWork = 8192;  // (position, KV head) pairs below which one thread runs
 
@@ -104,29 +108,6 @@ inline void for_each_position(const Views<T>& v, const int64_t* table, int64_t c
       for (int64_t i = count; i < bs; ++i) prefetch_row(next + i * hd, hd);
   }
   f(cached, fresh);
-}
-
-// exp(x) for x <= 0 (softmax after the max is subtracted): Cephes' range reduction and degree-5
-// polynomial, relative error about 2e-7, as simd.h's AVX-512 exp_neg; anything below -87.3
-// gives exp(-87.3), about 1e-38. A NaN stays NaN (max_ps returns its second operand when one is
-// NaN), as in torch's softmax.
-inline __m256 exp_neg(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  // 2^n in the exponent's bits: n >= -126 here (x >= -87.3), so 2^n is a normal float.
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
 // The sums of a, b, c and d, in that order.
