@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from protocol.model_files import cache_root
 from tests.tiny_model import make_tiny_llama
 
 
@@ -56,6 +57,11 @@ def test_unsupported_architecture(tmp_path, tiny):
 
 
 def test_kv_budget_too_small_for_one_request(tiny, tmp_path):
+    # A private cache, but the CPU kernels shared as tests/worker/conftest.py shares them: the
+    # worker builds them before it sizes the pool, a minute on two cores.
+    shared = cache_root() / "kernels"
+    shared.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "kernels").symlink_to(shared, target_is_directory=True)
     done = _nanoserve(
         "worker",
         "--model",
