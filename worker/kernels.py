@@ -34,11 +34,14 @@ the sampler's greedy choices.
 
 ``torch.ops.nanoserve.decode_attention_f32``: ``decode_attention`` over a float32 pool, in AVX2
 and FMA (``csrc/decode_attention_f32.cpp``): the float32 decodes of the same backend.
+``torch.ops.nanoserve.prefill_attention_f32``: causal attention of a float32 prefill span over
+its own K/V or its gathered blocks (``csrc/prefill_attention_f32.cpp``): that backend's float32
+prefills.
 ``torch.ops.nanoserve.q4a8_linear_f32``: float32 rows, quantized to 8 bits in groups of 32, times
 ``pack_q4a8``'s 4-bit matrix, in AVX2 (``csrc/q4a8_linear_f32.cpp``): the linears of the float32
 that ``auto`` picks on a CPU without native bfloat16. ``torch.ops.nanoserve.rms_norm_f32`` and
 ``silu_mul_f32``: that float32's eager norms and SwiGLU activation in one pass each, in AVX2
-(``csrc/pointwise_f32.cpp``). These four are the operators built on a CPU with AVX2 but not
+(``csrc/pointwise_f32.cpp``). These five are the operators built on a CPU with AVX2 but not
 AVX-512 (``loaded()`` without ``available()``).
 
 The sources compile with ``torch.utils.cpp_extension`` into nanoserve's cache directory, in a
@@ -79,7 +82,12 @@ VNNI_SOURCES = [_CSRC / "w4a8_linear.cpp"]
 # Built on every CPU with AVX2, FMA and F16C, with the others or alone.
 AVX2_SOURCES = [
     _CSRC / name
-    for name in ("decode_attention_f32.cpp", "q4a8_linear_f32.cpp", "pointwise_f32.cpp")
+    for name in (
+        "decode_attention_f32.cpp",
+        "prefill_attention_f32.cpp",
+        "q4a8_linear_f32.cpp",
+        "pointwise_f32.cpp",
+    )
 ]
 HEADERS = [_CSRC / "simd.h", _CSRC / "simd_avx2.h"]  # included by the sources
 # Written in a build directory once its library is built and loaded: later processes load it

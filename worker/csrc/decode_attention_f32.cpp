@@ -30,14 +30,10 @@
 namespace {
 
 using nanoserve_avx2::exp_neg;
+using nanoserve_avx2::load8;
+using nanoserve_avx2::sum4;
 
 constexpr int64_t kSerialWork = 8192;  // (position, KV head) pairs below which one thread runs
-
-// Eight values of a row as float32.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 
 // Asks for one position's hd values to be brought into L1 (a hint: never faults).
 template <typename T>
@@ -108,14 +104,6 @@ inline void for_each_position(const Views<T>& v, const int64_t* table, int64_t c
       for (int64_t i = count; i < bs; ++i) prefetch_row(next + i * hd, hd);
   }
   f(cached, fresh);
-}
-
-// The sums of a, b, c and d, in that order.
-inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  // [a01 a23 b01 b23 | a45 a67 b45 b67], and the same of c and d
-  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
-  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // [a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7]
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
 // Lane l of the result: op over every lane of v congruent to l modulo W (W = 4 or 8).

@@ -26,14 +26,9 @@
 namespace {
 
 using nanoserve_avx2::exp_neg;
+using nanoserve_avx2::reduce_add;
 
 constexpr int64_t kSerialElements = 32768;  // below this, one thread (waking another costs more)
-
-inline float reduce_add(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 void norm_row(const float* x, const float* w, float* out, int64_t H, float eps) {
   int64_t k = 0;

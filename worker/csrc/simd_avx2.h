@@ -3,9 +3,31 @@
 // sources: a changed header rebuilds them.
 #pragma once
 
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 namespace nanoserve_avx2 {
+
+// Eight values of a row as float32: float32 as they are, float16 widened exactly (vcvtph2ps).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The sum of v's eight lanes.
+inline float reduce_add(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// The sums of a, b, c and d, in that order.
+inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  // [a01 a23 b01 b23 | a45 a67 b45 b67], and the same of c and d
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // [a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7]
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
 
 // exp(x) for x <= 0 (softmax after the max is subtracted): Cephes' range reduction and degree-5
 // polynomial, relative error about 2e-7, as simd.h's AVX-512 exp_neg; anything below -87.3
