@@ -149,16 +149,24 @@ def test_it_refuses_what_it_cannot_compute():
         attend(q, kv[:, :, :0], layer[:, :0], blocks, cached)
 
 
-def _count_calls(monkeypatch) -> list:
-    calls = []
-    real = torch.ops.nanoserve.decode_attention_f32
+def _count_calls(monkeypatch) -> tuple[list, list]:
+    """The float32 decode and prefill operators' calls: (B, nq, hd) shapes, and (n, start, the
+    K/V dtype) of each prefill span."""
+    decodes, prefills = [], []
+    decode = torch.ops.nanoserve.decode_attention_f32
+    prefill = torch.ops.nanoserve.prefill_attention_f32
 
-    def counting(*args):
-        calls.append(args[0].shape)
-        return real(*args)
+    def counting_decode(*args):
+        decodes.append(args[0].shape)
+        return decode(*args)
 
-    monkeypatch.setattr(torch.ops.nanoserve, "decode_attention_f32", counting)
-    return calls
+    def counting_prefill(q, k, v, start):
+        prefills.append((q.shape[0], start, k.dtype))
+        return prefill(q, k, v, start)
+
+    monkeypatch.setattr(torch.ops.nanoserve, "decode_attention_f32", counting_decode)
+    monkeypatch.setattr(torch.ops.nanoserve, "prefill_attention_f32", counting_prefill)
+    return decodes, prefills
 
 
 def _run_mixed(worker):
@@ -171,16 +179,20 @@ def _run_mixed(worker):
 
 
 def test_float32_steps_decode_with_it_and_pick_the_torch_backends_tokens(tiny_dir, monkeypatch):
-    calls = _count_calls(monkeypatch)
+    """And prefill with ``prefill_attention_f32`` (``test_f32_prefill_attention.py``): fresh
+    spans and chunks continuing a cached prefix."""
+    decodes, prefills = _count_calls(monkeypatch)
     worker = make_worker(tiny_dir, dtype="float32")
     assert isinstance(worker.attention, CpuKernelBackend)  # chosen, and built, at start
     with_kernel = _run_mixed(worker)
-    assert len(calls) > 0 and all(shape[1:] == (4, 16) for shape in calls)  # (B, nq, hd)
-    calls.clear()
+    assert len(decodes) > 0 and all(shape[1:] == (4, 16) for shape in decodes)  # (B, nq, hd)
+    assert (5, 0, torch.float32) in prefills and (5, 5, torch.float32) in prefills, prefills
+    decodes.clear()
+    prefills.clear()
     generic = make_worker(tiny_dir, dtype="float32", generic_path=True)
     assert type(generic.attention) is TorchBackend
     without = _run_mixed(generic)
-    assert not calls
+    assert not decodes and not prefills
     for a, b in zip(with_kernel, without, strict=True):
         assert a.output == b.output
         worst = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))

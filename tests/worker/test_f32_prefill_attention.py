@@ -5,18 +5,16 @@ and F16C.
 It equals float64 causal attention to float32's rounding for fresh and continued spans (the
 kernel's row blocks and position tiles cut at 4 and 32), reads float16 K/V as their widened
 values bit for bit, gives the same result on any number of threads, lets no query see a later
-position, refuses what it cannot compute, and is what a CPU worker's float32 prefills use, with
-the torch backend's tokens."""
+position, and refuses what it cannot compute. A CPU worker's float32 prefills call it, with the
+torch backend's tokens (``test_f32_attention.py``, beside the decodes)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from attention_cases import HEADS
-from conftest import make_worker
 
 from worker import kernels
-from worker.attention import CpuKernelBackend, TorchBackend
 
 
 @pytest.fixture(autouse=True)
@@ -134,36 +132,3 @@ def test_it_refuses_what_it_cannot_compute():
         attend(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, 2)
     assert torch.ops.nanoserve.prefill_attention_f32_supports(64)
     assert not torch.ops.nanoserve.prefill_attention_f32_supports(48)
-
-
-def test_float32_prefills_use_it_and_pick_the_torch_backends_tokens(tiny_dir, monkeypatch):
-    """Fresh and chunked prefills (spans continuing a cached prefix) beside decodes."""
-    from driver import Driver, Request
-
-    calls = []
-    real = torch.ops.nanoserve.prefill_attention_f32
-
-    def counting(q, k, v, start):
-        calls.append((q.shape[0], start, k.dtype))
-        return real(q, k, v, start)
-
-    monkeypatch.setattr(torch.ops.nanoserve, "prefill_attention_f32", counting)
-    prompts = {"a": list(range(3, 40)), "b": [5, 6, 7], "c": [9, 8, 7, 6]}
-
-    def run(worker):
-        requests = [Request(name, prompt, 6) for name, prompt in prompts.items()]
-        return Driver(worker, eos=[]).run(requests, chunk=5)
-
-    worker = make_worker(tiny_dir, dtype="float32")
-    assert isinstance(worker.attention, CpuKernelBackend)
-    with_kernel = run(worker)
-    assert (5, 0, torch.float32) in calls and (5, 5, torch.float32) in calls, calls
-    calls.clear()
-    generic = make_worker(tiny_dir, dtype="float32", generic_path=True)
-    assert type(generic.attention) is TorchBackend
-    without = run(generic)
-    assert not calls
-    for a, b in zip(with_kernel, without, strict=True):
-        assert a.output == b.output
-        worst = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
-        assert worst < 1e-4, worst
