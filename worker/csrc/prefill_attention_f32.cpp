@@ -2,12 +2,13 @@
 // its K/V, the float32 prefills of the CPU-kernel attention backend
 // (worker/attention/cpu_kernel.py). It needs only AVX2, FMA and F16C, as decode_attention_f32.
 //
-// torch's SDPA (its CPU flash kernel) took 438 us a layer for a 128-token prompt of
-// SmolLM2's heads (9 query, 3 KV, head_dim 64) on a 2-core Zen 3: it computes the masked upper
-// triangle too, and its small-block GEMMs do not fill AVX2's registers. Here each (query row,
-// query head) pair scores only the positions it may see, four keys at a time with its query
-// held in registers, takes an exact softmax (the max subtracted), then the weighted sum of the
-// values. Rows are dealt to the threads light and heavy in turn, so both get the same work.
+// torch's SDPA (its CPU flash kernel) took 456 us a layer for a 128-token prompt of
+// SmolLM2's heads (9 query, 3 KV, head_dim 64) on a 2-core Zen 3, this 201: SDPA computes the
+// masked upper triangle too. Here a task is 4 query rows of one KV head (all its query heads);
+// each query vector scores only the positions it may see, by tiles of 32 keys that stay in L1
+// while every vector of the task passes over them, takes an exact softmax (the max
+// subtracted), then the weighted sum of the values by the same tiles. Tasks are dealt to the
+// threads light and heavy in turn, so both get the same work.
 //
 // Shapes: q (n, nq, hd) the span's queries, at positions start .. start + n - 1; k and v
 // (m, n_kv, hd), m >= start + n, position-major, float32 (a fresh prompt's own k and v) or
@@ -98,7 +99,7 @@ void attend(const Views<T>& w, int64_t kv_head, int64_t row0, int64_t rows,
   const int64_t group = w.nq / w.n_kv, vectors = group * rows;
   const int64_t longest = w.start + row0 + rows;  // the last row's positions
   const int64_t stride = (longest + 7) / 8 * 8;
-  scratch.resize(vectors * (stride + C * 8) + rows * group);
+  scratch.resize(vectors * (stride + C * 8 + 1));
   float* scores = scratch.data();                 // (vectors, stride)
   float* sums = scores + vectors * stride;        // (vectors, hd)
   float* inverse = sums + vectors * C * 8;        // (vectors,)
@@ -161,9 +162,6 @@ AttendFn<T> pick(int64_t head_dim) {
 
 bool supported(int64_t head_dim) { return pick<float>(head_dim) != nullptr; }
 
-// Every (row, query head) task over the threads. Row i has start + i + 1 positions, so rows
-// are taken 0, n-1, 1, n-2, ...: a contiguous range of tasks then holds light and heavy rows
-// alike, where in order the last thread would get the longest rows.
 // Every (KV head, block of kRows query rows) task over the threads. Row i sees start + i + 1
 // positions, so blocks are taken first, last, second, second to last...: a contiguous range of
 // tasks then holds light and heavy blocks alike, where in order the last thread would get the
