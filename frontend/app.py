@@ -25,8 +25,8 @@ from frontend.page import add_page
 from frontend.page_feed import PageFeed
 from frontend.request_parser import RequestParser
 from frontend.schemas import ChatCompletionRequest, CompletionRequest
-from protocol.model_files import resolve_model
-from protocol.tokenizer import ChatTokenizer, load_tokenizer
+from models.files import resolve_model
+from models.tokenizer import ChatTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from frontend.detokenizer import Detokenizer
 from frontend.errors import ApiError
 from frontend.metrics import Metrics
 from frontend.request_parser import GenerationRequest
+from models.tokenizer import ChatTokenizer
 from protocol.messages import RequestOutput
-from protocol.tokenizer import ChatTokenizer
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import hashlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
-from protocol.tokenizer import ChatTokenizer
+from models.tokenizer import ChatTokenizer
 
 MAX_ERROR_CHARS = 1000  # llguidance's messages can quote a whole grammar
 

@@ -18,7 +18,7 @@ from frontend.metrics import Metrics
 from frontend.request_parser import GenerationRequest, RequestParser
 from frontend.responses import ResponseFormatter
 from frontend.tool_calls import ToolCallParser, finish_reason
-from protocol.tokenizer import ChatTokenizer
+from models.tokenizer import ChatTokenizer
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 

@@ -2,7 +2,7 @@
 
 One SUB socket on the scheduler's monitor XPUB, subscribed only while some page is open (so the
 scheduler builds nothing for a server nobody watches). Each snapshot's pool is turned into runs
-(``protocol.pool_runs``) and the whole into JSON once, and handed to every page's ``Watcher``,
+(``frontend.pool_runs``) and the whole into JSON once, and handed to every page's ``Watcher``,
 a bounded queue that drops its oldest frame when the page falls behind: a slow or stalled
 browser misses frames, and never holds more than ``depth`` of them here. A sample of the plots'
 figures goes out once a second (``History``).
@@ -24,9 +24,9 @@ from frontend.client import SchedulerClient
 from frontend.config import FrontendConfig
 from frontend.metrics import Metrics
 from frontend.page_history import History
+from frontend.pool_runs import pool_runs
 from protocol.messages import PROTOCOL_VERSION
 from protocol.monitor import STATES, PoolSnapshot
-from protocol.pool_runs import pool_runs
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class PageFeed:
 
 
 def page_view(snapshot: PoolSnapshot) -> dict:
-    """A snapshot as a page gets it: the pool as runs (``protocol.pool_runs``), the rows
+    """A snapshot as a page gets it: the pool as runs (``frontend.pool_runs``), the rows
     without their block lists (the runs carry them)."""
     view = plain(snapshot)
     if snapshot.pool is not None:

@@ -11,20 +11,16 @@ from aiohttp import web
 
 from frontend.app import CLIENT, HANDLER, create_app
 from frontend.config import FrontendConfig
-from protocol.cpus import pin_to_last_cpu
 
 log = logging.getLogger("nanoserve.frontend")
 
 
-def run_frontend(*, config: FrontendConfig, pin_cpu: bool = False) -> int:
-    """Serve until SIGTERM or SIGINT, then stop admitting (503), drain, and return 0. With
-    ``pin_cpu``, on the last CPU this process may use (``protocol.cpus``)."""
+def run_frontend(*, config: FrontendConfig) -> int:
+    """Serve until SIGTERM or SIGINT, then stop admitting (503), drain, and return 0."""
     logging.basicConfig(
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s frontend %(name)s: %(message)s",
     )
-    if pin_cpu:
-        pin_to_last_cpu(log)
     app = create_app(config)  # loads the tokenizer before the port opens
     try:
         import uvloop

@@ -14,9 +14,9 @@ from frontend.grammar_check import GrammarChecker
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from frontend.structured import Constraint, constraint_for
 from frontend.tool_calls import ToolChoice
+from models.tokenizer import ChatTokenizer
 from protocol.messages import SamplingParams
 from protocol.params import ParamError, RequestLimits, check_params
-from protocol.tokenizer import ChatTokenizer
 
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 _SEED_LIMIT = 1 << 63

@@ -7,7 +7,7 @@ from typing import Any
 
 from frontend.generation import ChoiceUpdate, TokenLogprob
 from frontend.tool_calls import ToolCallParser, finish_reason
-from protocol.tokenizer import ChatTokenizer
+from models.tokenizer import ChatTokenizer
 
 
 class ResponseFormatter:

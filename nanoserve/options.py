@@ -60,5 +60,5 @@ def add_pin_cpu_arg(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=env("pin_cpu", True, bool),
         help="run on the last CPU this process may use, where the worker's steps meet it "
-        "least (default: on; protocol/cpus.py)",
+        "least (default: on; nanoserve/cpus.py)",
     )

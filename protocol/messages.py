@@ -134,7 +134,7 @@ class StepResult(Message):
     grammar_fill_s: float = 0.0
     grammar_apply_s: float = 0.0
     decode_path: str = ""  # "eager", "compiling", "compiled" or "failed" (Worker.decode_path)
-    num_threads: int = 0  # the worker's intra-op threads after the step (worker.threads)
+    num_threads: int = 0  # the worker's intra-op threads after the step (worker.cpu.threads)
 
 
 class WorkerReady(Message):
@@ -152,6 +152,9 @@ class WorkerReady(Message):
     device: str = "cpu"
     dtype: str = "float32"
     tensor_parallel_size: int = 1  # ranks behind this one worker (appended: no version bump)
+    # How the worker runs its steps, chosen once at start (``worker.plan.Plan.summary``): what
+    # its log, /metrics and the web page show.
+    plan: dict[str, str] = {}
 
 
 class Heartbeat(Message):
@@ -243,7 +246,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     - ``worker_decode_path``: what the worker's decode steps run on, as its last step said:
       "eager", "compiling" (eagerly meanwhile), "compiled", "failed" ("" before any step).
     - ``worker_threads``: the worker's intra-op threads after its last step (0 before any);
-      ``worker_thread_switches_total``: how often it changed them (``worker.threads``).
+      ``worker_thread_switches_total``: how often it changed them (``worker.cpu.threads``).
     """
 
     num_running: int = 0

@@ -10,7 +10,7 @@ The pool travels as ``PoolStates``: one byte per block (a bitmap of four states,
 5,825-block pool), copied from the allocator's own ``block_states``, and each running request's
 row lists the blocks it holds. Building that costs the scheduler one copy and a list per
 running request, however fragmented the pool. Frontends turn it into runs for browsers
-(``protocol.pool_runs``): ``PoolRuns.runs`` is a flat list of triples
+(``frontend.pool_runs``): ``PoolRuns.runs`` is a flat list of triples
 ``(state, owner_set, length)`` covering ``range(num_blocks)`` in block order; ``owner_sets[i]``
 lists the holders of a run with owner set ``i`` as indexes into ``requests`` (``owner_sets[0]``
 is the empty set of free blocks).

@@ -4,7 +4,7 @@
 ``pool_states`` copies the allocator's ``block_states`` (kept up to date by every change, and
 audited), so a snapshot costs one copy of the pool however fragmented it is. ``request_rows``
 lists the queues, counts and block ids only: no prompt text. Frontends turn the two into the
-runs browsers draw (``protocol.pool_runs``).
+runs browsers draw (``frontend.pool_runs``).
 """
 
 from __future__ import annotations

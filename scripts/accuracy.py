@@ -171,7 +171,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args()
 
-    from protocol.model_files import resolve_model
+    from models.files import resolve_model
 
     files = resolve_model(None)
     steps = reference_steps(files, args.steps)

@@ -127,7 +127,7 @@ def attention_ms(tables: list[list[int]]) -> float:
     last token), 30 layers of SmolLM2's shape in bfloat16: median ms of 15."""
     import torch
 
-    from worker import kernels
+    from worker.cpu import kernels
 
     if not kernels.available():
         raise SystemExit("--attention needs the worker's CPU kernels (AVX512-BF16)")

@@ -26,9 +26,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from frontend.json_schema import COMPACT  # noqa: E402
-from nanoserve.bench_structured import SCHEMA  # noqa: E402
-from protocol.model_files import resolve_model  # noqa: E402
-from protocol.tokenizer import load_tokenizer  # noqa: E402
+from models.files import resolve_model  # noqa: E402
+from models.tokenizer import load_tokenizer  # noqa: E402
+from nanoserve.bench.structured import SCHEMA  # noqa: E402
 from worker.grammar.llguidance_backend import LLGuidanceBackend  # noqa: E402
 from worker.grammar.masks import PendingMasks  # noqa: E402
 

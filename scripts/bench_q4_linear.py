@@ -17,9 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from worker import kernels  # noqa: E402 - after the path setup above
-from worker.gguf_reader import Q4Tensor  # noqa: E402
-from worker.linear import pack_q4  # noqa: E402
+from worker.cpu import kernels  # noqa: E402 - after the path setup above
+from worker.linear.base import pack_q4  # noqa: E402
+from worker.model.gguf import Q4Tensor  # noqa: E402
 
 SHAPES = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 1152, 1)]
 
@@ -84,7 +84,7 @@ def one(rows: int, cols: int, batch: int, gen: torch.Generator) -> tuple[float, 
 
 def main() -> int:
     if not (kernels.available() and kernels.uses_bf16()):
-        print("bench_q4_linear: needs worker.kernels built with AVX512-BF16", file=sys.stderr)
+        print("bench_q4_linear: needs worker.cpu.kernels built with AVX512-BF16", file=sys.stderr)
         return 1
     torch.set_num_threads(2)
     gen = torch.Generator().manual_seed(0)

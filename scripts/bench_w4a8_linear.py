@@ -25,8 +25,8 @@ from bench_q4_linear import (  # noqa: E402 - after the path setup above
     whole_model,
 )
 
-from worker import kernels  # noqa: E402
-from worker.linear import pack_q4, pack_w4a8  # noqa: E402
+from worker.cpu import kernels  # noqa: E402
+from worker.linear.base import pack_q4, pack_w4a8  # noqa: E402
 
 
 def one(rows: int, cols: int, batch: int, gen: torch.Generator) -> tuple[float, float]:
@@ -53,7 +53,7 @@ def one(rows: int, cols: int, batch: int, gen: torch.Generator) -> tuple[float, 
 
 def main() -> int:
     if not (kernels.available() and kernels.uses_vnni()):
-        print("bench_w4a8_linear: needs worker.kernels with AVX512-VNNI", file=sys.stderr)
+        print("bench_w4a8_linear: needs worker.cpu.kernels with AVX512-VNNI", file=sys.stderr)
         return 1
     torch.set_num_threads(2)
     gen = torch.Generator().manual_seed(0)

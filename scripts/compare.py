@@ -147,7 +147,7 @@ def multi_turn_rows(args: argparse.Namespace, work: Path, logs: Path) -> list[di
 
 
 def _llama_server(args: argparse.Namespace, logs: Path, slot_context: int = 512):
-    from protocol.model_files import resolve_model
+    from models.files import resolve_model
 
     binary, built_s = args.llama_server, 0.0
     if binary is None:
@@ -562,7 +562,7 @@ def main() -> int:
                 server = start_nanoserve(dtype, log_dir, args.threads, compile)
                 rows += run_server("nanoserve", label, server, args, work)
     if args.with_llamacpp:
-        from protocol.model_files import resolve_model
+        from models.files import resolve_model
 
         server = _llama_server(args, logs)
         rows += run_server("llama.cpp", resolve_model(None).source.name, server, args, work)

@@ -16,7 +16,7 @@ def static_batching(dtype: str, batch: int, input_len: int, output_len: int, see
     import torch
     from transformers import AutoModelForCausalLM
 
-    from protocol.model_files import resolve_model
+    from models.files import resolve_model
 
     files = resolve_model(None)
     model = AutoModelForCausalLM.from_pretrained(

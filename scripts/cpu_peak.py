@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # worker.kernels
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # worker.cpu.kernels
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -140,7 +140,7 @@ def main() -> int:
     if compiler is None:
         print("cpu_peak: needs a C++ compiler (g++)", file=sys.stderr)
         return 2
-    from worker.kernels import cpu_flags
+    from worker.cpu.kernels import cpu_flags
 
     flags = cpu_flags()
     if "avx512_bf16" not in flags:

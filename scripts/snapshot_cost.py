@@ -19,9 +19,9 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from frontend.pool_runs import pool_runs  # noqa: E402
 from protocol.messages import SamplingParams  # noqa: E402 - after the path setup above
 from protocol.monitor import PoolSnapshot  # noqa: E402
-from protocol.pool_runs import pool_runs  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.sim_worker import SimWorker  # noqa: E402

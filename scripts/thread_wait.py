@@ -1,6 +1,6 @@
 """Each thread of a process over a window: the share of a second it ran, and the share it
 waited for a core while runnable (``/proc/PID/task/*/schedstat``), the signal the worker's
-ThreadGovernor reads (worker/threads.py).
+ThreadGovernor reads (worker/cpu/threads.py).
 
     python scripts/thread_wait.py $(pgrep -f "nanoserve worker") 5
 """

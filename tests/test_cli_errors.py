@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.model_files import cache_root
+from models.files import cache_root
 from tests.tiny_model import make_tiny_llama
 
 

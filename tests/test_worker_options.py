@@ -92,8 +92,8 @@ def test_dtype_defaults_to_auto(monkeypatch):
     ],
 )
 def test_auto_dtype_is_bfloat16_where_the_cpu_computes_it(monkeypatch, flags, expected):
-    from worker import kernels
     from worker.config import WorkerConfig
+    from worker.cpu import kernels
 
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(flags))
     assert WorkerConfig(device="cpu").resolved_dtype == expected

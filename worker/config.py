@@ -15,7 +15,7 @@ DEVICES = ("auto", "cpu", "cuda")
 class WorkerConfig:
     """How to build a worker. ``None`` fields take a default worked out at load time.
 
-    ``model``: a model name or path for ``protocol.model_files.resolve_model`` (None: default).
+    ``model``: a model name or path for ``models.files.resolve_model`` (None: default).
     ``dtype``: ``auto`` is bfloat16 where the device computes it natively (CUDA; CPUs with
     AVX512-BF16 or AMX), else float32 (``resolved_dtype``).
     ``num_blocks`` wins over ``kv_cache_memory`` (bytes); with neither, the budget comes from
@@ -38,12 +38,12 @@ class WorkerConfig:
     memory. Elsewhere ``auto`` is the model's dtype, and an explicit value must be that dtype
     or float16 under such a float32 model.
     ``compile``: on CPU, decode-only steps of at most 32 rows run as one ``torch.compile``d graph
-    (``worker.compiled``); None: wherever it pays (CPU, off the generic path, torch >= 2.13).
+    (``worker.compiled.decode``); None: wherever it pays (CPU, off the generic path, torch >= 2.13).
     ``adapt_threads``: on CPU with one rank, drop to one thread while another process holds a
-    core, and come back when it is free (``worker.threads``).
+    core, and come back when it is free (``worker.cpu.threads``).
     ``generic_path``: run on CPU exactly the code CUDA runs: the torch attention backend, plain
     ``F.linear`` weights (no oneDNN packing, no 4-bit matrices) and torch's argmax, none of
-    ``worker.kernels``. It tests that path where there is no GPU.
+    ``worker.cpu.kernels``. It tests that path where there is no GPU.
     """
 
     model: str | None = None
@@ -104,7 +104,7 @@ class WorkerConfig:
             import torch
 
             return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-        from worker.kernels import cpu_flags
+        from worker.cpu.kernels import cpu_flags
 
         return "bfloat16" if set(BF16_CPU_FLAGS) & cpu_flags() else "float32"
 

@@ -47,10 +47,11 @@ def run_worker(
     """Serve steps until Shutdown or a signal. ``config`` is a worker.config.WorkerConfig.
 
     ``step_delay_s`` slows every step down on purpose, for tests that show the scheduler keeps
-    taking requests while the worker computes. ``group``: rank 0's ``worker.parallel.Group``
-    when the worker is several ranks (``worker.ranks``); the others follow what this one does.
+    taking requests while the worker computes. ``group``: rank 0's ``worker.parallel.group.Group``
+    when the worker is several ranks (``worker.parallel.ranks``); the others follow what this one
+    does.
     """
-    from worker.parallel import SOLO
+    from worker.parallel.group import SOLO
     from worker.worker import Worker  # torch loads here, not at import time of this module
 
     worker = Worker(config, group=group or SOLO, background_compile=True)
@@ -186,7 +187,7 @@ def _heartbeats(
 def _execute(worker, step: StepInput) -> StepResult:
     """Run one step. A step the worker refuses (a protocol violation) is logged and answered
     with an error, so the scheduler recovers instead of waiting forever."""
-    from worker.compiling import step_first  # loaded with the worker (torch) by now
+    from worker.compiled.background import step_first  # loaded with the worker (torch) by now
 
     started = time.perf_counter()
     try:
@@ -213,7 +214,7 @@ def resident_bytes() -> int:
 
 
 def _linears(model) -> list:
-    from worker.linear import Linear
+    from worker.linear.base import Linear
 
     return [m for m in model.modules() if isinstance(m, Linear)]
 

@@ -65,7 +65,7 @@ def _penalty_state(row: Row, vocab: int, device: torch.device) -> _PenaltyState:
 class Sampler:
     """Samples a batch of rows; knows the model's EOS ids for ``min_tokens``.
 
-    ``own_argmax``: greedy choices come from ``torch.ops.nanoserve.argmax`` (``worker.kernels``,
+    ``own_argmax``: greedy choices come from ``torch.ops.nanoserve.argmax`` (``worker.cpu.kernels``,
     CPU only), which gives torch.argmax's answer in a vectorized pass, where torch's own CPU
     argmax does not vectorize.
     """

@@ -5,7 +5,7 @@ this class only turns a checked step into one flattened forward and one sampling
 
 Under tensor parallelism every rank builds a ``Worker`` over its ``Group``: each holds its shard
 of the model and its heads of the pool, and runs every step; rank 0 (the leader) first shares
-the step with the others (``worker.tp_steps``) and alone samples, from the gathered logits.
+the step with the others (``worker.parallel.steps``) and alone samples, from the gathered logits.
 """
 
 from __future__ import annotations
@@ -23,21 +23,22 @@ from protocol.messages import (
     StepResult,
     WorkerReady,
 )
-from worker import kernels, tp_steps
 from worker.attention import CpuKernelBackend, select_backend
-from worker.compiling import BackgroundCompile, start_compile, wants_compile
+from worker.compiled.background import BackgroundCompile, start_compile, wants_compile
 from worker.config import WorkerConfig, resolve_max_model_len
-from worker.cpu_weights import attach_q4, pack_for_cpu
+from worker.cpu import kernels
+from worker.cpu.machine import bound_onednn_cache, default_kv_budget, usable_cpus
+from worker.cpu.threads import ThreadGovernor
 from worker.grammar import grammar_masks
-from worker.kv_cache import KVCache
-from worker.machine import bound_onednn_cache, default_kv_budget, usable_cpus
-from worker.model import MLP, Attention, LlamaModel, ModelSpec, RMSNorm
-from worker.parallel import SOLO, Group
+from worker.kv.cache import KVCache
+from worker.linear.layouts import attach_q4, pack_for_cpu
+from worker.model.llama import MLP, Attention, LlamaModel, ModelSpec, RMSNorm
+from worker.parallel import steps as tp_steps
+from worker.parallel.group import SOLO, Group
+from worker.parallel.sharding import Shard
 from worker.rows import RowTable, written_blocks
 from worker.sampler import Sampler
 from worker.shapes import padded_count
-from worker.sharding import Shard
-from worker.threads import ThreadGovernor
 
 log = logging.getLogger("nanoserve.worker")
 
@@ -59,9 +60,9 @@ class Worker:
         """Load the model and size the cache. Compiled decode steps (``config.compile``; by
         default on CPU, off the generic path) are built here, or, with ``background_compile``,
         beside the steps: the worker runs eagerly until they are ready
-        (``worker.compiling``)."""
-        from protocol.model_files import resolve_model
-        from worker.loader import load_checkpoint
+        (``worker.compiled.background``)."""
+        from models.files import resolve_model
+        from worker.model.loader import load_checkpoint
 
         bound_onednn_cache()
         # By default the CPUs this process may use, shared between the host's ranks.
@@ -126,7 +127,7 @@ class Worker:
 
     def _choose_kernels(self) -> None:
         """The attention backend and the sampler's argmax, chosen once. Asked now, so that the
-        first build of ``worker.kernels`` happens before the worker announces itself, not in a
+        first build of ``worker.cpu.kernels`` happens before the worker announces itself, not in a
         step."""
         generic = self.config.generic_path
         own_kernels = self.device == "cpu" and not generic and kernels.available()
@@ -153,7 +154,7 @@ class Worker:
 
     def _attach_q4(self, model_type: str) -> None:
         """Small steps on the GGUF's own 4-bit matrices, where it has them (see ``Linear``)."""
-        from worker.loader import load_q4
+        from worker.model.loader import load_q4
 
         if self.files.gguf_file is None:
             return
@@ -236,6 +237,14 @@ class Worker:
             device=self.device,
             dtype=self.config.resolved_dtype,
             tensor_parallel_size=self.group.size,
+            plan={
+                "device": self.device,
+                "dtype": self.config.resolved_dtype,
+                "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
+                "attention": self.attention.name,
+                "decode": self.decode_path,
+                "threads": str(self.num_threads),
+            },
         )
 
     def execute(self, step: StepInput) -> StepResult:
@@ -249,7 +258,8 @@ class Worker:
 
     def _busy(self) -> bool:
         """Whether a step runs, or ran within ``IDLE_AFTER_S``: the KV pool's pages are backed
-        only outside that (``worker.host_pool``), so that backing them takes no CPU from steps."""
+        only outside that (``worker.kv.host_pool``), so that backing them takes no CPU from
+        steps."""
         return self._in_step or time.monotonic() - self._step_ended < IDLE_AFTER_S
 
     def execute_with_logits(self, step: StepInput) -> tuple[StepResult, torch.Tensor]:

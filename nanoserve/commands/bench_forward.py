@@ -47,7 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print a Markdown table."""
-    from worker.bench import bench_forward, format_breakdown, format_table
+    from nanoserve.bench.forward import bench_forward, format_breakdown, format_table
 
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -1,7 +1,7 @@
 """``nanoserve bench serve``: load-test any OpenAI-compatible server (ours, llama.cpp's, vLLM's)
 and print a vLLM-style table of throughput, TTFT/TPOT/ITL/E2EL, goodput and failures.
 
-The work happens in ``nanoserve.bench_serve``; this module is flags, the table and ``--json``.
+The work happens in ``nanoserve.bench.serve``; this module is flags, the table and ``--json``.
 Torch-free, so it can run beside the server it measures without paying for a torch import.
 """
 
@@ -116,7 +116,7 @@ def _json_object(text: str) -> dict:
 
 def config_from_args(args: argparse.Namespace) -> object:
     """The validated ``BenchServeConfig`` the flags describe."""
-    from nanoserve.bench_serve import BenchServeConfig
+    from nanoserve.bench.serve import BenchServeConfig
 
     chat = args.endpoint_type == "chat"
     return BenchServeConfig(
@@ -150,7 +150,7 @@ def config_from_args(args: argparse.Namespace) -> object:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table, write JSON when asked. Exit 1 if all failed."""
-    from nanoserve.bench_serve import BenchServe
+    from nanoserve.bench.serve import BenchServe
 
     config = config_from_args(args)
     to_stdout = args.json == "-"
@@ -175,8 +175,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_structured(args: argparse.Namespace, config: object, table_out) -> int:
-    """``--structured``: both runs' tables, then the comparison (``nanoserve.bench_structured``)."""
-    from nanoserve.bench_structured import compare, format_comparison
+    """``--structured``: both runs' tables, then the comparison (``nanoserve.bench.structured``)."""
+    from nanoserve.bench.structured import compare, format_comparison
 
     result = _run_async(compare(config))
     for name in ("unconstrained", "json_schema"):

@@ -21,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print a Markdown table."""
-    from worker.bench_tp import bench_tp, format_table
+    from nanoserve.bench.tp import bench_tp, format_table
 
     try:
         sizes = [int(size) for size in args.sizes.split(",")]
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--sizes, --batch, --context and --decode-steps must be positive")
     if max(sizes) > 1:
         from worker.config import WorkerConfig
-        from worker.ranks import check_fits
+        from worker.parallel.ranks import check_fits
 
         for size in sizes:
             check_fits(WorkerConfig(model=args.model), size)

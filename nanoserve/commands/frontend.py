@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 
 from nanoserve.options import add_address_args, add_model_arg, add_pin_cpu_arg, addresses_from
@@ -62,6 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from frontend.config import FrontendConfig
     from frontend.process import run_frontend
+    from nanoserve.cpus import pin_to_last_cpu
     from protocol.addresses import Addresses
 
     addresses = addresses_from(args)
@@ -87,4 +89,7 @@ def _run(args: argparse.Namespace) -> int:
         stall_timeout=args.stall_timeout,
         log_level=args.log_level,
     )
-    return run_frontend(config=config, pin_cpu=args.pin_cpu)
+    if args.pin_cpu:  # before the tokenizer's and ZeroMQ's threads start: they inherit it
+        logging.basicConfig(level=config.log_level.upper())
+        pin_to_last_cpu(logging.getLogger("nanoserve.frontend"))
+    return run_frontend(config=config)

@@ -103,8 +103,8 @@ def tokenize(line: dict, tokenizer) -> list[int]:
 def load_tokenizer(model: str | None):
     """The frontend's tokenizer for the model (what the server would use), or None for a
     checkpoint that has none."""
-    from protocol.model_files import resolve_model
-    from protocol.tokenizer import load_tokenizer as load
+    from models.files import resolve_model
+    from models.tokenizer import load_tokenizer as load
 
     try:
         return load(resolve_model(model))

@@ -61,7 +61,7 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the scheduler process until interrupted."""
-    from protocol.cpus import pin_to_last_cpu
+    from nanoserve.cpus import pin_to_last_cpu
     from scheduler.config import SchedulerConfig
     from scheduler.process import run_scheduler
 

@@ -22,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the sweep table (tab-separated)."""
-    from scheduler.batchbench import TABLE_HEADER, sweep_watermarks
+    from nanoserve.bench.watermark import TABLE_HEADER, sweep_watermarks
 
     try:
         reserves = [int(x) for x in args.reserves.split(",") if x.strip()]

@@ -135,7 +135,7 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
 
 def parallel_config(args: argparse.Namespace):
     """The ParallelConfig the options describe."""
-    from worker.ranks import ParallelConfig
+    from worker.parallel.ranks import ParallelConfig
 
     return ParallelConfig(
         size=args.tensor_parallel_size,
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     if parallel.size == 1:
         return lead()
     from nanoserve.commands.serve import child_environment
-    from worker.ranks import run_ranks
+    from worker.parallel.ranks import run_ranks
 
     def child(rank: int, port: int) -> tuple[list[str], dict[str, str]]:
         env = child_environment(args)

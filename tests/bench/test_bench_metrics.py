@@ -8,13 +8,13 @@ import statistics
 
 import pytest
 
-from nanoserve.bench_data import (
+from nanoserve.bench.data import (
     FIRST_PLAIN_TOKEN,
     arrival_offsets,
     build_workload,
     load_shipped_prompts,
 )
-from nanoserve.bench_metrics import (
+from nanoserve.bench.metrics import (
     RequestResult,
     busy_ratio,
     meets_slos,
@@ -23,7 +23,7 @@ from nanoserve.bench_metrics import (
     summarize,
     worker_busy_seconds,
 )
-from nanoserve.bench_serve import BenchServeConfig, StreamError, read_stream, request_payload
+from nanoserve.bench.serve import BenchServeConfig, StreamError, read_stream, request_payload
 from nanoserve.commands.bench_serve import parse_slos
 
 

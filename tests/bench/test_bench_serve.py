@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from nanoserve.bench_data import arrival_offsets
-from nanoserve.bench_serve import BenchServe, BenchServeConfig
+from nanoserve.bench.data import arrival_offsets
+from nanoserve.bench.serve import BenchServe, BenchServeConfig
 from nanoserve.cli import UserError
 from nanoserve.commands import bench_serve as command
 from tests.bench.stub_openai_server import MODEL, StubOpenAIServer, StubScript
@@ -176,7 +176,7 @@ def test_registered_under_bench_and_torch_free():
     args = build_parser().parse_args(["bench", "serve", "--num-prompts", "3"])
     assert args.func is command.run and args.num_prompts == 3
     code = (
-        "import sys, nanoserve.bench_serve, nanoserve.commands.bench_serve;"
+        "import sys, nanoserve.bench.serve, nanoserve.commands.bench_serve;"
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=15).returncode == 0

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from nanoserve.bench_structured import RESPONSE_FORMAT
+from nanoserve.bench.structured import RESPONSE_FORMAT
 from nanoserve.commands import bench_serve as command
 from tests.bench.stub_openai_server import StubOpenAIServer, StubScript
 

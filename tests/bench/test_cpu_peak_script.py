@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from worker import kernels
+from worker.cpu import kernels
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "cpu_peak.py"
 

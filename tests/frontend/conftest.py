@@ -19,10 +19,10 @@ from aiohttp import web
 from frontend.app import CLIENT, create_app
 from frontend.client import SchedulerClient
 from frontend.config import FrontendConfig
+from models.files import resolve_model
+from models.tokenizer import ChatTokenizer, load_tokenizer
 from protocol.addresses import Addresses, runtime_dir
 from protocol.messages import AddRequest
-from protocol.model_files import resolve_model
-from protocol.tokenizer import ChatTokenizer, load_tokenizer
 from tests.frontend.fake_scheduler import FakeScheduler
 
 REPLY = "Hello! 你好，世界 🎉 The answer is 42. Done here."

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from frontend.detokenizer import Detokenizer
-from protocol.tokenizer import ChatTokenizer
+from models.tokenizer import ChatTokenizer
 
 TEXTS = [
     "你好，世界！今天天气很好。",

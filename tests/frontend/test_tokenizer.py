@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from protocol.model_files import resolve_model
-from protocol.tokenizer import ChatTokenizer
+from models.files import resolve_model
+from models.tokenizer import ChatTokenizer
 
 TEXTS = [
     "Hello world 123",

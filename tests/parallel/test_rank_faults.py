@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.ranks import BEAT_S
+from worker.parallel.ranks import BEAT_S
 
 READY = re.compile(rb"ready on cpu")
 

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from worker.sharding import Shard, valid_sizes
+from worker.parallel.sharding import Shard, valid_sizes
 
 TINY = dict(n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=250)
 

@@ -1,4 +1,4 @@
-"""protocol.cpus: the frontend and the scheduler move onto the last CPU of their affinity mask,
+"""nanoserve.cpus: the frontend and the scheduler move onto the last CPU of their affinity mask,
 threads already started included, and stay put where the mask has one CPU."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 # starts another, and reports every thread's CPUs and what pin_to_last_cpu returned.
 _CHILD = """
 import json, logging, os, sys, threading
-from protocol.cpus import pin_to_last_cpu
+from nanoserve.cpus import pin_to_last_cpu
 os.sched_setaffinity(0, set(json.loads(sys.argv[1])))
 release = threading.Event()
 before = threading.Thread(target=release.wait)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from frontend.pool_runs import decode_runs, pool_runs
 from protocol.messages import SamplingParams
 from protocol.monitor import (
     CACHED,
@@ -18,7 +19,6 @@ from protocol.monitor import (
     PoolStates,
     RequestRow,
 )
-from protocol.pool_runs import decode_runs, pool_runs
 from scheduler.engine import Engine
 from scheduler.snapshot import pool_states, request_rows
 from tests.scheduler.conftest import make_engine

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from nanoserve.bench.watermark import sweep_watermarks
 from protocol.messages import SamplingParams
 from scheduler.audit import InvariantViolation
-from scheduler.batchbench import sweep_watermarks
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.sim_worker import SimWorker

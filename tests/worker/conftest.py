@@ -18,7 +18,7 @@ def private_cache(tmp_path_factory):
     and built under a lock, and building them again costs half a minute on two cores."""
     import os
 
-    from protocol.model_files import cache_root
+    from models.files import cache_root
 
     if "NANOSERVE_CACHE_DIR" not in os.environ:
         shared = cache_root() / "kernels"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.gguf_reader import Q4Tensor
+from worker.model.gguf import Q4Tensor
 
 
 def q4_case(rows: int, cols: int, seed: int, has_min: bool = True):

@@ -1,5 +1,5 @@
 """The background compiler's child process dies with the worker that started it, so a killed
-worker never leaves a compiler behind to race its successor's (``worker.compiling``)."""
+worker never leaves a compiler behind to race its successor's (``worker.compiled.background``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 PARENT = """
 import subprocess, sys, time
-from worker.compiling import _polite_child
+from worker.compiled.background import _polite_child
 child = subprocess.Popen(
     [sys.executable, "-c", "import os, time; print(os.nice(0), flush=True); time.sleep(600)"],
     preexec_fn=_polite_child, stdout=subprocess.PIPE, text=True,

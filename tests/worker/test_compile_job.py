@@ -1,5 +1,5 @@
-"""Steps beside the graphs' loading (``worker.compiling``): the job says when its thread loads,
-and a step meanwhile runs on a short switch interval, so that it gets the GIL back from the
+"""Steps beside the graphs' loading (``worker.compiled.background``): the job says when its thread
+loads, and a step meanwhile runs on a short switch interval, so that it gets the GIL back from the
 loader's tracing at once rather than after 5 ms at each of its operators."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-import worker.compiled
-from worker.compiling import _MARKER, STEP_SWITCH_INTERVAL, BackgroundCompile, step_first
+import worker.compiled.decode
+from worker.compiled.background import _MARKER, STEP_SWITCH_INTERVAL, BackgroundCompile, step_first
 
 
 class _Graphs:
@@ -30,7 +30,7 @@ class _Graphs:
 
 def test_the_job_is_loading_exactly_while_its_thread_traces_the_graphs(tmp_path, monkeypatch):
     (tmp_path / _MARKER).write_text("0\n")  # a filled cache: load only, no child
-    monkeypatch.setattr(worker.compiled, "CompiledDecode", _Graphs)
+    monkeypatch.setattr(worker.compiled.decode, "CompiledDecode", _Graphs)
     host = types.SimpleNamespace(model=None, cache=None, attention=None)
     job = BackgroundCompile(host, tmp_path)
     _Graphs.job, _Graphs.seen = job, []
@@ -45,7 +45,7 @@ def test_the_job_says_its_graphs_are_ready_without_waiting_for_a_step(
     tmp_path, monkeypatch, caplog
 ):
     (tmp_path / _MARKER).write_text("0\n")
-    monkeypatch.setattr(worker.compiled, "CompiledDecode", _Graphs)
+    monkeypatch.setattr(worker.compiled.decode, "CompiledDecode", _Graphs)
     host = types.SimpleNamespace(model=None, cache=None, attention=None)
     job = BackgroundCompile(host, tmp_path)
     _Graphs.job, _Graphs.seen = job, []

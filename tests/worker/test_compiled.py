@@ -13,7 +13,7 @@ from conftest import hf_logits, make_worker
 from driver import Driver, greedy_requests
 from test_tiny_exact import LOGIT_TOL, PROMPTS, check, reference
 
-from worker import kernels
+from worker.cpu import kernels
 
 # The module's one compile runs in a child at nice 19, as the worker runs it. Beside the suite's
 # other test process it got only the CPU that process left: 200 s where alone it took 60.
@@ -38,9 +38,9 @@ def _config(tiny_dir):
 
 
 def _marker(tiny_dir) -> Path:
-    from protocol.model_files import resolve_model
-    from worker.compiling import compile_dir
-    from worker.machine import usable_cpus
+    from models.files import resolve_model
+    from worker.compiled.background import compile_dir
+    from worker.cpu.machine import usable_cpus
 
     model_id = resolve_model(str(tiny_dir)).model_id
     return compile_dir(_config(tiny_dir), model_id, usable_cpus()) / "compiled.ok"
@@ -109,8 +109,8 @@ def test_compiled_float32_decodes_read_the_pool_in_nanoserves_operator(compiled_
 
 
 def test_a_thread_count_switch_keeps_the_steps_compiled(compiled_worker, tiny_reference):
-    """Beside a neighbour the worker drops to one thread (``worker.threads``) and comes back: the
-    same graphs run on either count. A guard on torch's thread count would make the first step
+    """Beside a neighbour the worker drops to one thread (``worker.cpu.threads``) and comes back:
+    the same graphs run on either count. A guard on torch's thread count would make the first step
     after a switch recompile, which raises here, and in serving sends every step to eager."""
     model, expected = tiny_reference
     full = torch.get_num_threads()
@@ -128,7 +128,7 @@ def test_bigger_decode_batches_and_mixed_steps_stay_eager(
     compiled_worker, tiny_reference, monkeypatch
 ):
     model, _ = tiny_reference
-    monkeypatch.setattr("worker.compiled.MAX_BATCH", 4)  # the tiny worker has only 8 slots
+    monkeypatch.setattr("worker.compiled.decode.MAX_BATCH", 4)  # the tiny worker has only 8 slots
     prompts = PROMPTS + [[1, 9, 8, 7], [1, 3]]  # six rows, padded to 8: above the limit
     driver = Driver(compiled_worker)
     before = compiled_worker.compiled.steps
@@ -237,8 +237,8 @@ def test_the_cache_key_hashes_every_worker_file_the_graph_traces(tiny_dir, dtype
     bfloat16 the CPU kernels where they run)."""
     import re
 
-    import worker.compiled as compiled
-    from worker.compiling import _TRACED
+    import worker.compiled.decode as compiled
+    from worker.compiled.background import _TRACED
 
     worker = make_worker(tiny_dir, dtype=dtype)
     files: set[Path] = set()
@@ -255,9 +255,9 @@ def test_the_cache_key_hashes_every_worker_file_the_graph_traces(tiny_dir, dtype
     step._graph = torch.compile(compiled._decode_graph, backend=record, fullgraph=True)
     with torch.inference_mode(), torch._dynamo.config.patch(inline_invoke_subgraph=True):
         step(*step.trash_step(2))
-    root = Path(compiled.__file__).parent
+    root = Path(compiled.__file__).resolve().parents[1]  # the worker package
     traced = {f.relative_to(root).as_posix() for f in files if f.is_relative_to(root)}
-    assert "model.py" in traced and "compiled.py" in traced
+    assert "model/llama.py" in traced and "compiled/decode.py" in traced
     assert traced <= set(_TRACED), f"traced but not hashed: {sorted(traced - set(_TRACED))}"
 
 
@@ -273,7 +273,7 @@ def _assert_only_loaded(tiny_dir) -> None:
 def test_the_cache_key_names_where_torch_is_installed(tiny_dir, monkeypatch):
     """Another venv's torch, even of the same version, gets a cache of its own: inductor's C++
     builds are keyed by a command line that names torch's include directory."""
-    from worker.compiling import compile_dir
+    from worker.compiled.background import compile_dir
 
     here = compile_dir(_config(tiny_dir), "m", 2)
     assert compile_dir(_config(tiny_dir), "m", 2) == here

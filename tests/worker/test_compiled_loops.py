@@ -1,5 +1,6 @@
 """Where the compiled decode step's fused loops run: a loop of a fixed small size on the calling
-thread, a loop whose size follows the batch in an OpenMP parallel region (worker/compiled.py's
+thread, a loop whose size follows the batch in an OpenMP parallel region
+(worker/compiled/decode.py's
 ``_serial_small_kernels``). Counted in the C++ inductor generates for a small norm."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
-from worker import compiled
+from worker.compiled import decode as compiled
 
 # The options the worker compiles with that decide the loops' threads.
 OPTIONS = {"cpp.dynamic_threads": True, "fx_graph_cache": False}

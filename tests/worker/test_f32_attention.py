@@ -1,4 +1,5 @@
-"""``torch.ops.nanoserve.decode_attention_f32`` (``worker/csrc/decode_attention_f32.cpp``): decode
+"""``torch.ops.nanoserve.decode_attention_f32`` (``worker/cpu/csrc/decode_attention_f32.cpp``):
+decode
 attention over a paged float32 or float16 pool in AVX2, built on any CPU with AVX2, FMA and F16C.
 
 It equals float64 softmax attention to float32's rounding, reads the right blocks and nothing
@@ -15,15 +16,15 @@ import torch
 from attention_cases import BLOCK, HEADS, case, reference
 from conftest import make_worker
 
-from worker import kernels
 from worker.attention import CpuKernelBackend, TorchBackend
+from worker.cpu import kernels
 
 
 @pytest.fixture(autouse=True)
 def built(private_cache):
     """Build (or load) the kernels in the tests' private cache, or skip where they cannot be."""
     if not kernels.loaded():
-        pytest.skip("needs AVX2, FMA and a C++ compiler (worker.kernels)")
+        pytest.skip("needs AVX2, FMA and a C++ compiler (worker.cpu.kernels)")
 
 
 def attend(q, kv, layer, blocks, cached, block_size=BLOCK):

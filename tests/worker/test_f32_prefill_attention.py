@@ -1,4 +1,4 @@
-"""``torch.ops.nanoserve.prefill_attention_f32`` (``worker/csrc/prefill_attention_f32.cpp``):
+"""``torch.ops.nanoserve.prefill_attention_f32`` (``worker/cpu/csrc/prefill_attention_f32.cpp``):
 causal attention of a float32 prefill span over its K/V in AVX2, built on any CPU with AVX2, FMA
 and F16C.
 
@@ -14,14 +14,14 @@ import pytest
 import torch
 from attention_cases import HEADS
 
-from worker import kernels
+from worker.cpu import kernels
 
 
 @pytest.fixture(autouse=True)
 def built(private_cache):
     """Build (or load) the kernels in the tests' private cache, or skip where they cannot be."""
     if not kernels.loaded():
-        pytest.skip("needs AVX2, FMA and a C++ compiler (worker.kernels)")
+        pytest.skip("needs AVX2, FMA and a C++ compiler (worker.cpu.kernels)")
 
 
 def attend(q, k, v, start):

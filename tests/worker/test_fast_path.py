@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.kv_cache import KVCache
-from worker.linear import onednn_packs
-from worker.model import Linear, RMSNorm
-from worker.rope import apply_rotary, rotary_cos_sin
+from worker.kv.cache import KVCache
+from worker.linear.base import onednn_packs
+from worker.model.llama import Linear, RMSNorm
+from worker.model.rope import apply_rotary, rotary_cos_sin
 
 
 def test_rotary_is_bitwise_transformers_rotate_half():

@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from worker.kv_cache import KVCache
+from worker.kv.cache import KVCache
 
 MIB = 1 << 20
 
@@ -92,7 +92,7 @@ def test_pages_are_backed_only_while_the_worker_is_idle():
 
 def test_the_populating_thread_runs_at_the_process_priority():
     """Not niced: the last thread of a killed process to exit unmaps its memory, and a nice-19
-    thread on a busy machine made a SIGKILLed worker take a minute to die (worker.host_pool)."""
+    thread on a busy machine made a SIGKILLed worker take a minute to die (worker.kv.host_pool)."""
     cache = _small_cache()
     release = threading.Event()
     cache.populate(after=release.wait)

@@ -1,4 +1,4 @@
-"""nanoserve's own CPU kernels (``worker/csrc``).
+"""nanoserve's own CPU kernels (``worker/cpu/csrc``).
 
 Decode attention over a paged bfloat16 cache equals float64 softmax attention to bfloat16's
 rounding, reads the right blocks, takes the new token from ``kv``, refuses what it cannot do,
@@ -21,18 +21,18 @@ from attention_cases import BLOCK, HEADS, case, reference
 from conftest import make_worker
 from q4_cases import dequantized64, q4_case, w4a8_reference
 
-from worker import kernels
 from worker.attention import CpuKernelBackend
-from worker.gguf_reader import Q4Tensor
-from worker.linear import pack_q4, pack_w4a8
-from worker.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
+from worker.cpu import kernels
+from worker.linear.base import pack_q4, pack_w4a8
+from worker.model.gguf import Q4Tensor
+from worker.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
 
 @pytest.fixture(autouse=True)
 def built(private_cache):
     """Build (or load) the kernel in the tests' private cache, or skip where it cannot be."""
     if not kernels.available():
-        pytest.skip("needs AVX-512 and a C++ compiler (worker.kernels)")
+        pytest.skip("needs AVX-512 and a C++ compiler (worker.cpu.kernels)")
 
 
 @pytest.mark.parametrize(**HEADS)
@@ -429,7 +429,7 @@ def test_eager_bfloat16_steps_norm_rotate_and_activate_with_them(tiny_dir, monke
     torch's operators' and its logits stay within bfloat16's reach."""
     from driver import Driver, Request
 
-    from worker.model import MLP, Attention, RMSNorm
+    from worker.model.llama import MLP, Attention, RMSNorm
 
     calls = _count_layer_kernels(monkeypatch)
 
@@ -608,7 +608,7 @@ def test_a_stale_build_lock_does_not_block_the_next_load(tmp_path):
     shutil.copytree(built, build, ignore=shutil.ignore_patterns("*.flock", kernels.BUILT))
     (build / "lock").write_text("")  # what a SIGKILLed build leaves
     done = subprocess.run(
-        [sys.executable, "-c", "from worker import kernels; kernels._load(); print('loaded')"],
+        [sys.executable, "-c", "from worker.cpu import kernels; kernels._load(); print('loaded')"],
         env={**os.environ, "NANOSERVE_CACHE_DIR": str(cache)},
         capture_output=True,
         text=True,
@@ -653,7 +653,7 @@ def test_another_venv_with_the_same_torch_loads_the_build_without_ninja(tmp_path
         [
             sys.executable,
             "-c",
-            "import torch; from worker import kernels; print(kernels._load()); "
+            "import torch; from worker.cpu import kernels; print(kernels._load()); "
             "print(torch.ops.nanoserve.argmax(torch.tensor([[0.0, 2.0, 1.0]])).item())",
         ],
         env={**os.environ, "NANOSERVE_CACHE_DIR": str(cache)},
@@ -680,7 +680,7 @@ def test_another_checkout_loads_the_same_build_without_compiling(tmp_path):
     checkout = tmp_path / "csrc"  # the same sources, elsewhere
     shutil.copytree(kernels.HEADERS[0].parent, checkout)
     script = (
-        "from worker import kernels\n"
+        "from worker.cpu import kernels\n"
         "from pathlib import Path\n"
         f"csrc = Path({str(checkout)!r})\n"
         "for name in ('SOURCES', 'BF16_SOURCES', 'VNNI_SOURCES', 'AVX2_SOURCES', 'HEADERS'):\n"

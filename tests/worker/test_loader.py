@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import make_worker
 
-from protocol.model_files import ModelFiles
+from models.files import ModelFiles
 from worker.config import WorkerConfig
-from worker.loader import load_checkpoint
+from worker.model.loader import load_checkpoint
 
 
 def one_line(excinfo) -> str:
@@ -108,7 +108,7 @@ def test_a_gguf_conversion_is_found_again_by_content(tmp_path, monkeypatch):
     do not."""
     import os
 
-    from worker import loader
+    from worker.model import loader
 
     monkeypatch.setenv("NANOSERVE_CACHE_DIR", str(tmp_path / "cache"))
     converted = []

@@ -1,4 +1,5 @@
-"""``torch.ops.nanoserve.rms_norm_f32`` and ``silu_mul_f32`` (``worker/csrc/pointwise_f32.cpp``):
+"""``torch.ops.nanoserve.rms_norm_f32`` and ``silu_mul_f32``
+(``worker/cpu/csrc/pointwise_f32.cpp``):
 the eager float32 norms and SwiGLU activation of ``auto``'s float32, in AVX2.
 
 Each equals its float64 formula to float32's rounding, over row counts that split across
@@ -13,15 +14,16 @@ import pytest
 import torch
 from conftest import make_worker
 
-from worker import config, kernels
-from worker.model import MLP, RMSNorm
+from worker import config
+from worker.cpu import kernels
+from worker.model.llama import MLP, RMSNorm
 
 
 @pytest.fixture(autouse=True)
 def built(private_cache):
     """Build (or load) the kernels in the tests' private cache, or skip where they cannot be."""
     if not kernels.loaded():
-        pytest.skip("needs AVX2, FMA and a C++ compiler (worker.kernels)")
+        pytest.skip("needs AVX2, FMA and a C++ compiler (worker.cpu.kernels)")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rel: float = 2e-6) -> bool:

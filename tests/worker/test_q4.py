@@ -10,16 +10,16 @@ import torch.nn.functional as F
 from conftest import make_worker
 from q4_cases import w4a8_reference
 
-from worker import kernels
-from worker.cpu_weights import attach_q4
-from worker.gguf_reader import (
+from worker.cpu import kernels
+from worker.linear.layouts import attach_q4
+from worker.model.gguf import (
     Q4Tensor,
     _q4_blocks,
     _q8_blocks,
     read_q4_tensors,
     unpermute_rope_rows,
 )
-from worker.model import Linear
+from worker.model.llama import Linear
 
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="the 4-bit path runs on CPU with oneDNN"
@@ -289,7 +289,7 @@ def test_q8_linear_feeds_both_halves_on_single_rows_only(q4_kernel):
 def test_real_q4_rows_are_the_gguf_rows_in_hugging_face_order():
     from gguf import GGUFReader, dequantize
 
-    from protocol.model_files import resolve_model
+    from models.files import resolve_model
 
     path = resolve_model(None).source
     tensors = read_q4_tensors(path, "llama", n_heads=9, n_kv_heads=3)
@@ -334,7 +334,7 @@ def test_the_floor_counts_the_weight_form_each_batch_size_reads(tiny_dir):
     """``bench forward --profile``'s floor: 4-bit bytes where a step of that size takes the
     4-bit matrix, bfloat16 bytes where it does not, the lm head's 8-bit halves for one row,
     one embedding row per token, and the K/V attended over."""
-    from worker.bench_floor import read_bandwidth, step_floor
+    from nanoserve.bench.floor import read_bandwidth, step_floor
 
     worker = make_worker(tiny_dir, dtype="bfloat16", q4_max_tokens=0)
     down = _random_q4(64, 128, seed=10)

@@ -1,4 +1,4 @@
-"""``torch.ops.nanoserve.q4a8_linear_f32`` (``worker/csrc/q4a8_linear_f32.cpp``): float32 rows,
+"""``torch.ops.nanoserve.q4a8_linear_f32`` (``worker/cpu/csrc/q4a8_linear_f32.cpp``): float32 rows,
 quantized to 8 bits in groups of 32, times ``pack_q4a8``'s 4-bit matrix, in AVX2.
 
 It is llama.cpp's Q4_1 x Q8_1 dot to float32's rounding, at every row count its tiles split
@@ -10,16 +10,16 @@ import pytest
 import torch
 from q4_cases import dequantized64, q4_case, w4a8_reference
 
-from worker import kernels
-from worker.gguf_reader import Q4Tensor
-from worker.linear import pack_q4a8
+from worker.cpu import kernels
+from worker.linear.base import pack_q4a8
+from worker.model.gguf import Q4Tensor
 
 
 @pytest.fixture(autouse=True)
 def built(private_cache):
     """Build (or load) the kernels in the tests' private cache, or skip where they cannot be."""
     if not kernels.loaded():
-        pytest.skip("needs AVX2, FMA, F16C and a C++ compiler (worker.kernels)")
+        pytest.skip("needs AVX2, FMA, F16C and a C++ compiler (worker.cpu.kernels)")
 
 
 def linear(x, packed):

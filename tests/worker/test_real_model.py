@@ -14,9 +14,10 @@ import torch
 from conftest import hf_greedy, hf_logits, make_worker
 from driver import Driver, Request, greedy_requests
 
-from worker import config, kernels
+from worker import config
 from worker.attention import TorchBackend
-from worker.cpu_weights import LM_HEAD_Q4_MAX_ROWS
+from worker.cpu import kernels
+from worker.linear.layouts import LM_HEAD_Q4_MAX_ROWS
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +51,7 @@ W4A8_AGREE = 0.93
 
 @pytest.fixture(scope="session")
 def real_files():
-    from protocol.model_files import resolve_model
+    from models.files import resolve_model
 
     return resolve_model(None)
 
@@ -145,7 +146,7 @@ def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts,
     4-bit weights in bfloat16, the prefills on them times 8-bit activations) and, with
     AVX512-VNNI, all twelve at once (every step times 8-bit activations, llama.cpp's numerics).
     Measured one at a time: 1.40 and 97.6% (the lm head on its 8-bit matrix too, at one row;
-    the decode attention in float32 in worker.kernels' kernel); 1.53 and 97.3% before the
+    the decode attention in float32 in worker.cpu.kernels' kernel); 1.53 and 97.3% before the
     8-bit prefills. Before that kernel, with bfloat16 bmm attention: 2.43 and 96.5%; plain
     bfloat16 then gave 1.57 and 97.0% on the same steps. All at once: see W4A8_*."""
     workers = {

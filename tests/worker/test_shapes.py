@@ -90,7 +90,7 @@ def test_the_onednn_cache_is_bounded_when_a_worker_starts_not_on_import(tiny_dir
     """Its bound is what keeps the bucketed shapes' primitives resident: set by ``Worker``,
     before any forward; importing the package leaves the environment alone."""
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
-    code = "import os, worker.worker, worker.compiled; print(os.environ.get({!r}))"
+    code = "import os, worker.worker, worker.compiled.decode; print(os.environ.get({!r}))"
     done = subprocess.run(
         [sys.executable, "-c", code.format("ONEDNN_PRIMITIVE_CACHE_CAPACITY")],
         capture_output=True,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.threads import ThreadGovernor, thread_times, waiting_share
+from worker.cpu.threads import ThreadGovernor, thread_times, waiting_share
 
 
 class Fake:

@@ -9,9 +9,9 @@ import torch
 from conftest import hf_greedy, hf_logits, hf_model, make_worker
 from driver import Driver, greedy_requests
 
-from worker import kernels
 from worker.attention import TorchBackend
-from worker.linear import Linear
+from worker.cpu import kernels
+from worker.linear.base import Linear
 
 PROMPTS = [
     [1, 17, 42, 99, 3],
@@ -57,7 +57,7 @@ def test_tiny_matches_transformers(tiny_dir, tiny_reference, scenario):
 
 
 def _no_kernels() -> bool:
-    raise AssertionError("the generic path asked for worker.kernels")
+    raise AssertionError("the generic path asked for worker.cpu.kernels")
 
 
 @pytest.mark.parametrize("scenario", ["alone", "batched", "chunked", "recompute"])

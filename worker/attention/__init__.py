@@ -45,7 +45,7 @@ def select_backend(
 ) -> AttentionBackend:
     """The backend for this model's heads, computing in ``dtype`` over a pool of ``kv_dtype``
     (default: ``dtype``) on ``device``: nanoserve's CPU kernel where it serves them, else torch;
-    always torch when ``generic``. May build the kernel (``worker.kernels``)."""
+    always torch when ``generic``. May build the kernel (``worker.cpu.kernels``)."""
     kv_dtype = kv_dtype or dtype
     geometry = dict(
         n_heads=n_heads,

@@ -1,18 +1,18 @@
 """``CpuKernelBackend``: decodes and prefills through nanoserve's own CPU operators.
 
-``torch.ops.nanoserve.decode_attention`` (``worker/csrc/decode_attention.cpp``, built by
-``worker.kernels``) reads each row's bfloat16 blocks in place, where the torch backend first
+``torch.ops.nanoserve.decode_attention`` (``worker/cpu/csrc/decode_attention.cpp``, built by
+``worker.cpu.kernels``) reads each row's bfloat16 blocks in place, where the torch backend first
 gathers them into a copy: a decode's attention costs one pass over its K/V. Eager and compiled
 steps call the same operator.
 
-``torch.ops.nanoserve.prefill_attention`` (``worker/csrc/prefill_attention.cpp``) takes each
+``torch.ops.nanoserve.prefill_attention`` (``worker/cpu/csrc/prefill_attention.cpp``) takes each
 prefill span, fresh or continuing a cached prefix, from its blocks in place: 4 to 5 times
 faster than SDPA's flash kernel on these heads. Where it is not built (no AVX512-BF16), prefills
 are the torch backend's.
 
 A float32 model decodes in ``torch.ops.nanoserve.decode_attention_f32``
-(``worker/csrc/decode_attention_f32.cpp``) over its float32 or float16 pool, and prefills in
-``torch.ops.nanoserve.prefill_attention_f32`` (``worker/csrc/prefill_attention_f32.cpp``): both
+(``worker/cpu/csrc/decode_attention_f32.cpp``) over its float32 or float16 pool, and prefills in
+``torch.ops.nanoserve.prefill_attention_f32`` (``worker/cpu/csrc/prefill_attention_f32.cpp``): both
 need only AVX2. The prefill kernel scores only the positions a query may see, where SDPA's
 computes the masked half too: 201 against 456 us a layer for a 128-token prompt on a 2-core Zen
 3.
@@ -24,10 +24,10 @@ import functools
 
 import torch
 
-from worker import kernels
 from worker.attention.base import Scratch, gather_blocks
 from worker.attention.metadata import DecodeRows, PrefillSpan
 from worker.attention.torch_backend import TorchBackend
+from worker.cpu import kernels
 
 
 class CpuKernelBackend(TorchBackend):

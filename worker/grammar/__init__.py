@@ -9,7 +9,7 @@ The worker calls ``grammar_masks`` once, at start; the backend itself is built o
 
 from __future__ import annotations
 
-from protocol.model_files import ModelFiles
+from models.files import ModelFiles
 from worker.grammar.base import GrammarBackend, Matcher
 from worker.grammar.masks import GrammarMasks, PendingMasks
 
@@ -20,7 +20,7 @@ def grammar_masks(files: ModelFiles, vocab_size: int, eos_token_ids: list[int]) 
     """Masks over the model's own tokenizer, the one the frontend validates grammars with."""
 
     def load() -> GrammarBackend:
-        from protocol.tokenizer import load_tokenizer
+        from models.tokenizer import load_tokenizer
         from worker.grammar.llguidance_backend import LLGuidanceBackend
 
         tokenizer = load_tokenizer(files).tokenizer

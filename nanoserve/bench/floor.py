@@ -1,0 +1,74 @@
+"""The decode step's memory floor, printed beside ``nanoserve bench forward --profile``'s
+breakdown.
+
+A small decode step does little but stream bytes: every weight it multiplies by, in the form it
+uses at that batch size (the GGUF's 4-bit integers with their scales at most
+``--q4-max-tokens`` rows; above that the same integers a byte each with ``--w4a8``, else
+oneDNN's bfloat16 matrices; the lm head's 8-bit halves for one row), and every cached K/V it
+attends over. No step can take less than those bytes over the machine's sequential read
+bandwidth, measured here by summing a 512 MiB tensor (best of 5). The bytes are counted from the
+loaded model itself, so a layout change shows up here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from worker.linear.base import Linear
+
+READ_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class Floor:
+    """Bytes one decode step streams, and the time they take at ``bandwidth``."""
+
+    linears: int  # the layers' linears and the embedding rows, as this batch size uses them
+    head: int  # the lm head
+    kv: int  # the cached K/V attended over
+    bandwidth: float  # bytes per second, a sequential read on the worker's threads
+
+    @property
+    def seconds(self) -> float:
+        """The step's floor: every byte read once, at the measured bandwidth."""
+        return (self.linears + self.head + self.kv) / self.bandwidth
+
+
+def linear_bytes(linear: Linear, rows: int) -> int:
+    """Bytes of the weight form ``linear`` multiplies ``rows`` rows by."""
+    if linear.q4 is not None and rows <= linear.q4_max_tokens:
+        return sum(t.numel() * t.element_size() for t in linear.q4)
+    if linear.w4a8 is not None:  # one byte per integer, and q4's scales and lows
+        return linear.w4a8.numel() + sum(t.numel() * t.element_size() for t in linear.q4[1:])
+    source = linear.packed if linear.packed is not None else linear.weight
+    # oneDNN's packed layout may pad; the plain matrix is what must be read.
+    return linear.in_features * linear.out_features * source.element_size()
+
+
+def step_floor(model, batch: int, context: int, kv_dtype: torch.dtype, bandwidth: float) -> Floor:
+    """The floor of a decode step of ``batch`` rows with ``context`` cached positions each."""
+    head = model.lm_head
+    layers = sum(linear_bytes(m, batch) for m in model.modules() if isinstance(m, Linear))
+    layers -= linear_bytes(head, batch)
+    embed = model.model.embed_tokens.weight
+    layers += batch * embed.shape[1] * embed.element_size()
+    spec = model.spec
+    per_position = spec.num_layers * 2 * spec.n_kv_heads * spec.head_dim
+    kv = batch * context * per_position * torch.tensor([], dtype=kv_dtype).element_size()
+    return Floor(layers, linear_bytes(head, batch), kv, bandwidth)
+
+
+def read_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second summing a 512 MiB float32 tensor (best of ``repeats``), on torch's
+    threads: the rate a step's weights can stream at."""
+    data = torch.ones(READ_BYTES // 4, dtype=torch.float32)
+    data.sum()  # first touch
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - began)
+    return READ_BYTES / best

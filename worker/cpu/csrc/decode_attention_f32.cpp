@@ -1,0 +1,328 @@
+// nanoserve::decode_attention_f32: one decode query per row over its paged float32 or float16
+// K/V, the float32 decodes of the CPU-kernel attention backend (worker/attention/cpu_kernel.py),
+// eager and compiled. It needs only AVX2, FMA and F16C, so it is built on CPUs without AVX-512
+// too, where `auto` serves float32 over a float16 pool (worker/cpu/kernels.py).
+//
+// The torch backend builds this attention from a gather of every cached K/V into a copy, two
+// batched matmuls and a softmax: on a 2-core Zen 3, 81 of a batch-32 decode step's 220 ms at
+// 256 positions, for 360 MiB of K/V that one pass reads in about 13 ms. Here each (row, KV
+// head) pair reads its blocks in place once: scores, an exact softmax (the max subtracted, the
+// new token included), then the weighted sum of the values, all in float32. A float16 pool
+// (`auto`'s, as llama.cpp's default f16 K/V) halves the bytes: vcvtph2ps widens 8 values a load.
+//
+// Shapes: q (B, nq, hd), kv (B, 2, n_kv, hd) the new token's k and v, layer (2, n_kv, S, hd)
+// one layer of the pool, blocks (B, M) each row's block ids, cached (B,) how many positions
+// each row has cached -> out (B, nq, hd), all float32 but layer (float32 or float16), blocks and
+// cached (int64). q and kv may be strided views (of the qkv matmul's output); their last
+// dimension must be contiguous.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include "simd_avx2.h"
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using nanoserve_avx2::exp_neg;
+using nanoserve_avx2::load8;
+using nanoserve_avx2::sum4;
+
+constexpr int64_t kSerialWork = 8192;  // (position, KV head) pairs below which one thread runs
+
+// Asks for one position's hd values to be brought into L1 (a hint: never faults).
+template <typename T>
+inline void prefetch_row(const T* p, int64_t hd) {
+  for (int64_t byte = 0; byte < hd * static_cast<int64_t>(sizeof(T)); byte += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + byte, _MM_HINT_T0);
+}
+
+// And into L2.
+template <typename T>
+inline void prefetch_row_l2(const T* p, int64_t hd) {
+  for (int64_t byte = 0; byte < hd * static_cast<int64_t>(sizeof(T)); byte += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + byte, _MM_HINT_T1);
+}
+
+// T: the pool's element, float or c10::Half.
+template <typename T>
+struct Views {
+  const float *q, *kv;
+  const T* layer;
+  const int64_t *blocks, *cached;
+  float* out;
+  int64_t q_row, q_head, kv_row, kv_part, kv_head;  // strides, in elements
+  int64_t layer_part, layer_head, blocks_row;
+  int64_t nq, n_kv, hd, block_size;
+};
+
+// The task a thread runs after this one: its table, keys, values and cached count (no table:
+// none).
+template <typename T>
+struct Later {
+  const int64_t* table = nullptr;
+  const T *keys = nullptr, *values = nullptr;
+  int64_t cached = 0;
+};
+
+// Calls f(t, pointer to position t's row) for t = 0..cached-1 by blocks (no division per
+// position), then for the new token (a float32 row). ``phase`` 0 reads the keys, 1 the values.
+//
+// Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every block
+// boundary: while reading position i of block j this asks for position i of the next block (in
+// keys-then-values order) in L1, and for position i of block j of the ``later`` task in L2, as
+// the bfloat16 kernel does (decode_attention.cpp, where it is measured).
+template <typename T, typename F>
+inline void for_each_position(const Views<T>& v, const int64_t* table, int64_t cached,
+                              const T* keys, const T* values, int phase, const float* fresh,
+                              const Later<T>& later, F&& f) {
+  const int64_t bs = v.block_size, hd = v.hd, used = (cached + bs - 1) / bs;
+  const T* base = phase == 0 ? keys : values;
+  const T* later_base = phase == 0 ? later.keys : later.values;
+  for (int64_t first = 0, j = 0; first < cached; first += bs, ++j) {
+    const T* block = base + table[j] * bs * hd;
+    const int64_t ahead = phase * used + j + 1;  // the next block, values after keys
+    const T* next = ahead < used       ? keys + table[ahead] * bs * hd
+                    : ahead < 2 * used ? values + table[ahead - used] * bs * hd
+                                       : nullptr;
+    const int64_t count = std::min(bs, cached - first);
+    const T* far =
+        later.table && first < later.cached ? later_base + later.table[j] * bs * hd : nullptr;
+    const int64_t far_count = far ? std::min(bs, later.cached - first) : 0;
+    for (int64_t i = 0; i < count; ++i) {
+      if (next) prefetch_row(next + i * hd, hd);
+      if (i < far_count) prefetch_row_l2(far + i * hd, hd);
+      f(first + i, block + i * hd);
+    }
+    // A partial last key block leaves the rest of the first value block to ask for.
+    if (next)
+      for (int64_t i = count; i < bs; ++i) prefetch_row(next + i * hd, hd);
+  }
+  f(cached, fresh);
+}
+
+// Lane l of the result: op over every lane of v congruent to l modulo W (W = 4 or 8).
+template <int W, typename Op>
+inline __m256 fold(__m256 v, Op op) {
+  if constexpr (W == 4) v = op(v, _mm256_permute2f128_ps(v, v, 1));
+  return v;
+}
+
+// One row's G query heads of one KV head, head_dim = 8 * C.
+//
+// Scores are kept position-major, W floats per position (G rounded up to 4 or 8; the spare
+// heads score 0 and are never read): an 8-float vector then holds whole positions, so the
+// softmax of all G heads runs on full vectors. scratch: W * (cached + 1) rounded up.
+template <typename T, int G, int C>
+void attend(const Views<T>& v, int64_t row, int64_t head, std::vector<float>& scratch,
+            const Later<T>& later) {
+  constexpr int W = G <= 4 ? 4 : 8;
+  constexpr int64_t kPerVector = 8 / W;  // positions per 8-float vector
+  const int64_t cached = v.cached[row], length = cached + 1;  // the new token last
+  const int64_t padded = (length + kPerVector - 1) / kPerVector * kPerVector;
+  const float scale = 1.f / std::sqrt(static_cast<float>(C * 8));
+  scratch.resize(W * padded);
+  float* s = scratch.data();
+  const T* keys = v.layer + head * v.layer_head;
+  const T* values = keys + v.layer_part;
+  const float* k_new = v.kv + row * v.kv_row + head * v.kv_head;
+  const float* v_new = k_new + v.kv_part;
+  const int64_t* table = v.blocks + row * v.blocks_row;
+  if (cached > 0)  // the first block: for_each_position prefetches the others
+    for (int64_t i = 0; i < std::min(v.block_size, cached); ++i)
+      prefetch_row(keys + table[0] * v.block_size * v.hd + i * v.hd, v.hd);
+  // Scores: one dot product per (position, query head); the group shares each key's load. At
+  // G * C over 16 the queries do not fit AVX2's 16 registers and are read from L1.
+  __m256 q[G][C];  // the group's queries, scaled
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      q[g][c] = _mm256_mul_ps(
+          _mm256_loadu_ps(v.q + row * v.q_row + (head * G + g) * v.q_head + c * 8),
+          _mm256_set1_ps(scale));
+  for_each_position(v, table, cached, keys, values, 0, k_new, later,
+                    [&](int64_t t, const auto* key) {
+    __m256 acc[W];
+    for (int g = 0; g < W; ++g) acc[g] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) {
+      const __m256 k = load8(key + c * 8);
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(q[g][c], k, acc[g]);
+    }
+    for (int g = 0; g < W; g += 4)
+      _mm_storeu_ps(s + t * W + g, sum4(acc[g], acc[g + 1], acc[g + 2], acc[g + 3]));
+  });
+  for (int64_t i = length * W; i < padded * W; ++i) s[i] = -INFINITY;  // never weighed
+  // Softmax of every head at once: lane l of a vector is head l % W.
+  const int64_t vectors = padded * W / 8;
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < vectors; ++i) top = _mm256_max_ps(top, _mm256_loadu_ps(s + i * 8));
+  top = fold<W>(top, [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); });
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t i = 0; i < vectors; ++i) {
+    const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + i * 8), top));
+    _mm256_storeu_ps(s + i * 8, e);
+    total = _mm256_add_ps(total, e);
+  }
+  total = fold<W>(total, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); });
+  const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.f), total);
+  for (int64_t i = 0; i < vectors; ++i)
+    _mm256_storeu_ps(s + i * 8, _mm256_mul_ps(_mm256_loadu_ps(s + i * 8), inv));
+  // Weighted sum of the values.
+  __m256 out[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) out[g][c] = _mm256_setzero_ps();
+  for_each_position(v, table, cached, keys, values, 1, v_new, later,
+                    [&](int64_t t, const auto* value) {
+    __m256 weight[G];
+    for (int g = 0; g < G; ++g) weight[g] = _mm256_broadcast_ss(s + t * W + g);
+    for (int c = 0; c < C; ++c) {
+      const __m256 val = load8(value + c * 8);
+      for (int g = 0; g < G; ++g) out[g][c] = _mm256_fmadd_ps(weight[g], val, out[g][c]);
+    }
+  });
+  for (int g = 0; g < G; ++g) {
+    float* dst = v.out + (row * v.nq + head * G + g) * (C * 8);
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(dst + c * 8, out[g][c]);
+  }
+}
+
+template <typename T>
+using AttendFn = void (*)(const Views<T>&, int64_t, int64_t, std::vector<float>&,
+                          const Later<T>&);
+
+template <typename T, int C>
+AttendFn<T> pick_group(int64_t group) {
+  switch (group) {
+    case 1: return attend<T, 1, C>;
+    case 2: return attend<T, 2, C>;
+    case 3: return attend<T, 3, C>;
+    case 4: return attend<T, 4, C>;
+    case 5: return attend<T, 5, C>;
+    case 6: return attend<T, 6, C>;
+    case 7: return attend<T, 7, C>;
+    case 8: return attend<T, 8, C>;
+    default: return nullptr;
+  }
+}
+
+// The instance for this head_dim (16, 32, 64 or 128) and query heads per KV head (1 to 8), or
+// null.
+template <typename T>
+AttendFn<T> pick(int64_t head_dim, int64_t group) {
+  switch (head_dim) {
+    case 16: return pick_group<T, 2>(group);
+    case 32: return pick_group<T, 4>(group);
+    case 64: return pick_group<T, 8>(group);
+    case 128: return pick_group<T, 16>(group);
+    default: return nullptr;
+  }
+}
+
+bool supported(int64_t head_dim, int64_t group) { return pick<float>(head_dim, group) != nullptr; }
+
+// Every (row, KV head) task over the threads, each told the next task of its range.
+template <typename T>
+void run_tasks(const Views<T>& v, int64_t batch, bool serial) {
+  const AttendFn<T> fn = pick<T>(v.hd, v.nq / v.n_kv);
+  const int64_t n_kv = v.n_kv;
+  auto run = [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      Later<T> later;  // the next task of this thread's range
+      if (task + 1 < end) {
+        const int64_t r = (task + 1) / n_kv, h = (task + 1) % n_kv;
+        later.table = v.blocks + r * v.blocks_row;
+        later.keys = v.layer + h * v.layer_head;
+        later.values = later.keys + v.layer_part;
+        later.cached = v.cached[r];
+      }
+      fn(v, task / n_kv, task % n_kv, scores, later);
+    }
+  };
+  if (serial)
+    run(0, batch * n_kv);
+  else
+    at::parallel_for(0, batch * n_kv, 1, run);
+}
+
+template <typename T>
+Views<T> views(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& layer,
+               const at::Tensor& blocks, const at::Tensor& cached, at::Tensor& out,
+               int64_t block_size) {
+  return Views<T>{q.data_ptr<float>(), kv.data_ptr<float>(), layer.data_ptr<T>(),
+                  blocks.data_ptr<int64_t>(), cached.data_ptr<int64_t>(), out.data_ptr<float>(),
+                  q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2),
+                  layer.stride(0), layer.stride(1), blocks.stride(0),
+                  q.size(1), layer.size(1), q.size(2), block_size};
+}
+
+at::Tensor decode_attention_f32(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& layer,
+                                const at::Tensor& blocks, const at::Tensor& cached,
+                                int64_t block_size) {
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 4 && layer.dim() == 4 && blocks.dim() == 2 &&
+                  cached.dim() == 1,
+              "decode_attention_f32: q (B, nq, hd), kv (B, 2, n_kv, hd), layer (2, n_kv, S, hd), "
+              "blocks (B, M), cached (B,)");
+  const int64_t batch = q.size(0), nq = q.size(1), hd = q.size(2), n_kv = layer.size(1);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat &&
+                  (layer.scalar_type() == at::kFloat || layer.scalar_type() == at::kHalf),
+              "decode_attention_f32: q and kv must be float32, layer float32 or float16");
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && cached.scalar_type() == at::kLong &&
+                  blocks.stride(1) == 1 && cached.stride(0) == 1,
+              "decode_attention_f32: blocks and cached must be contiguous int64");
+  TORCH_CHECK(kv.size(0) == batch && kv.size(1) == 2 && kv.size(2) == n_kv && kv.size(3) == hd &&
+                  layer.size(0) == 2 && layer.size(3) == hd && blocks.size(0) == batch &&
+                  cached.size(0) == batch && n_kv > 0,
+              "decode_attention_f32: shapes do not match");
+  TORCH_CHECK(nq % n_kv == 0 && supported(hd, nq / n_kv),
+              "decode_attention_f32: needs head_dim 16, 32, 64 or 128 and 1 to 8 query heads per "
+              "KV head, got ", hd, " and ", nq, " / ", n_kv);
+  TORCH_CHECK(q.stride(2) == 1 && kv.stride(3) == 1 && layer.stride(3) == 1 &&
+                  layer.stride(2) == hd,
+              "decode_attention_f32: the head dimension must be contiguous, and the pool's rows");
+  // Every position a row reads must lie in its table and every block it reads in the pool: a
+  // bad index here would read outside the tensors, and the worker must not die of its input.
+  TORCH_CHECK(block_size > 0 && layer.size(2) % block_size == 0,
+              "decode_attention_f32: block_size must divide the pool's ", layer.size(2), " slots");
+  const int64_t width = blocks.size(1), pool_blocks = layer.size(2) / block_size;
+  const int64_t* ids = blocks.data_ptr<int64_t>();
+  const int64_t* lengths = cached.data_ptr<int64_t>();
+  for (int64_t row = 0; row < batch; ++row) {
+    const int64_t used = (lengths[row] + block_size - 1) / block_size;
+    TORCH_CHECK(lengths[row] >= 0 && used <= width, "decode_attention_f32: row ", row, " has ",
+                lengths[row], " cached positions; its table holds ", width * block_size);
+    for (int64_t j = 0; j < used; ++j) {
+      const int64_t id = ids[row * blocks.stride(0) + j];
+      TORCH_CHECK(id >= 0 && id < pool_blocks, "decode_attention_f32: row ", row,
+                  " names block ", id, " of a pool of ", pool_blocks);
+    }
+  }
+  at::Tensor out = at::empty({batch, nq, hd}, q.options());
+  // Under about 0.1 ms of work, waking the other OpenMP threads costs more than they save.
+  int64_t positions = 0;
+  for (int64_t row = 0; row < batch; ++row) positions += lengths[row] + 1;
+  const bool serial = positions * n_kv < kSerialWork;
+  if (layer.scalar_type() == at::kHalf)
+    run_tasks(views<c10::Half>(q, kv, layer, blocks, cached, out, block_size), batch, serial);
+  else
+    run_tasks(views<float>(q, kv, layer, blocks, cached, out, block_size), batch, serial);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nanoserve, lib) {
+  lib.def(
+      "decode_attention_f32(Tensor q, Tensor kv, Tensor layer, Tensor blocks, Tensor cached, "
+      "int block_size) -> Tensor");
+  // Whether decode_attention_f32 takes this head_dim and number of query heads per KV head.
+  lib.def("decode_attention_f32_supports(int head_dim, int group) -> bool", &supported);
+}
+
+TORCH_LIBRARY_IMPL(nanoserve, CPU, lib) {
+  lib.impl("decode_attention_f32", &decode_attention_f32);
+}
