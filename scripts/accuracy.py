@@ -182,8 +182,9 @@ def main() -> int:
         ("nanoserve bfloat16, 4-bit x 8-bit (default)", dict(dtype="bfloat16")),
     ]
     from worker.config import WorkerConfig
+    from worker.plan import resolve_dtype
 
-    if WorkerConfig(model=None).resolved_dtype == "float32":
+    if resolve_dtype(WorkerConfig(model=None), "cpu") == "float32":
         # A CPU without native bfloat16: the default is float32 on the 4-bit weights times
         # 8-bit activations (csrc/q4a8_linear_f32.cpp), and the bfloat16 rows are not it.
         runs.append(("nanoserve auto: float32, 4-bit x 8-bit (default here)", dict(dtype="auto")))

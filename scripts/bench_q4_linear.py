@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from worker.cpu import kernels  # noqa: E402 - after the path setup above
-from worker.linear.base import pack_q4  # noqa: E402
+from worker.linear.packing import pack_q4  # noqa: E402
 from worker.model.gguf import Q4Tensor  # noqa: E402
 
 SHAPES = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 1152, 1)]

@@ -26,7 +26,7 @@ from bench_q4_linear import (  # noqa: E402 - after the path setup above
 )
 
 from worker.cpu import kernels  # noqa: E402
-from worker.linear.base import pack_q4, pack_w4a8  # noqa: E402
+from worker.linear.packing import pack_q4, pack_w4a8  # noqa: E402
 
 
 def one(rows: int, cols: int, batch: int, gen: torch.Generator) -> tuple[float, float]:

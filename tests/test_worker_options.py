@@ -94,7 +94,8 @@ def test_dtype_defaults_to_auto(monkeypatch):
 def test_auto_dtype_is_bfloat16_where_the_cpu_computes_it(monkeypatch, flags, expected):
     from worker.config import WorkerConfig
     from worker.cpu import kernels
+    from worker.plan import resolve_dtype
 
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(flags))
-    assert WorkerConfig(device="cpu").resolved_dtype == expected
-    assert WorkerConfig(device="cpu", dtype="float32").resolved_dtype == "float32"
+    assert resolve_dtype(WorkerConfig(device="cpu"), "cpu") == expected
+    assert resolve_dtype(WorkerConfig(device="cpu", dtype="float32"), "cpu") == "float32"

@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# What /proc/cpuinfo calls the instructions that compute in bfloat16 natively.
-BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -17,7 +15,7 @@ class WorkerConfig:
 
     ``model``: a model name or path for ``models.files.resolve_model`` (None: default).
     ``dtype``: ``auto`` is bfloat16 where the device computes it natively (CUDA; CPUs with
-    AVX512-BF16 or AMX), else float32 (``resolved_dtype``).
+    AVX512-BF16 or AMX), else float32 (``worker.plan.resolve_dtype``).
     ``num_blocks`` wins over ``kv_cache_memory`` (bytes); with neither, the budget comes from
     free RAM (CPU) or free GPU memory. ``max_model_len`` defaults to the model's
     ``max_position_embeddings``, capped at 8192. ``num_threads`` sets torch's intra-op threads;
@@ -85,28 +83,6 @@ class WorkerConfig:
             raise ValueError("generic_path runs what CUDA runs, and CUDA does not compile")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
-
-    @property
-    def resolved_device(self) -> str:
-        """``cuda`` or ``cpu``: ``auto`` becomes ``cuda`` when torch sees a GPU."""
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
-    @property
-    def resolved_dtype(self) -> str:
-        """``float32`` or ``bfloat16``, with ``auto`` resolved for the resolved device."""
-        if self.dtype != "auto":
-            return self.dtype
-        if self.resolved_device == "cuda":
-            import torch
-
-            return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-        from worker.cpu.kernels import cpu_flags
-
-        return "bfloat16" if set(BF16_CPU_FLAGS) & cpu_flags() else "float32"
 
 
 def _positive(name: str, value: int) -> None:

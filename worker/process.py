@@ -101,27 +101,14 @@ def _log_ready(worker, ready: WorkerReady) -> None:
         ready.num_slots,
         ready.max_model_len,
     )
-    if worker.kv_dtype != worker.dtype:
-        log.info("K/V pool in %s (the model computes in %s)", _name(worker.kv_dtype), ready.dtype)
     if ready.tensor_parallel_size > 1:
         log.info(
             "tensor parallel: %d ranks, each with its share of heads", ready.tensor_parallel_size
         )
-    if worker.config.generic_path:
-        log.info("generic path: the code CUDA runs (plain weights, torch's argmax)")
-    if worker.q4_linears and _runs_q4a8(worker.model):
-        log.info(
-            "%d linears run on the GGUF's 4-bit weights times 8-bit activations (AVX2)%s",
-            worker.q4_linears,
-            ", every step (the lm head: single rows)" if worker.config.w4a8 else "",
-        )
-    elif worker.q4_linears:
-        log.info(
-            "%d linears also run on the GGUF's 4-bit weights, in steps of at most %d tokens%s",
-            worker.q4_linears,
-            worker.config.q4_max_tokens,
-            "; the MLP's bigger steps times 8-bit activations" if _runs_w4a8(worker.model) else "",
-        )
+    # The plan, one line: how every step runs (worker.plan), what /metrics and the page show.
+    log.info("plan: %s", " ".join(f"{key}={value}" for key, value in ready.plan.items()))
+    if worker.q4_linears:
+        log.info("%d linears run on the model file's 4-bit matrices", worker.q4_linears)
     job = worker.compile_job
     if job is not None:
         log.info(
@@ -211,21 +198,3 @@ def resident_bytes() -> int:
             return int(statm.read().split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
         return 0
-
-
-def _linears(model) -> list:
-    from worker.linear.base import Linear
-
-    return [m for m in model.modules() if isinstance(m, Linear)]
-
-
-def _name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _runs_w4a8(model) -> bool:
-    return any(m.w4a8 is not None for m in _linears(model))
-
-
-def _runs_q4a8(model) -> bool:
-    return any(m.q4a8 for m in _linears(model))

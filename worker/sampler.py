@@ -62,17 +62,30 @@ def _penalty_state(row: Row, vocab: int, device: torch.device) -> _PenaltyState:
     return state
 
 
+def _torch_argmax(scores: torch.Tensor) -> torch.Tensor:
+    return scores.argmax(dim=-1)
+
+
+def _kernel_argmax(scores: torch.Tensor) -> torch.Tensor:
+    if scores.stride(-1) != 1:  # the kernel reads rows in place
+        return scores.argmax(dim=-1)
+    return torch.ops.nanoserve.argmax(scores)
+
+
+# The plan's greedy choices (``Plan.argmax``): "kernel" is ``torch.ops.nanoserve.argmax``
+# (``worker.cpu.kernels``, CPU), torch.argmax's answer in a vectorized pass, where torch's own CPU
+# argmax does not vectorize.
+ARGMAX = {"torch": _torch_argmax, "kernel": _kernel_argmax}
+
+
 class Sampler:
-    """Samples a batch of rows; knows the model's EOS ids for ``min_tokens``.
+    """Samples a batch of rows; knows the model's EOS ids for ``min_tokens``. Greedy choices come
+    from ``argmax``, the plan's name for it (``ARGMAX``)."""
 
-    ``own_argmax``: greedy choices come from ``torch.ops.nanoserve.argmax`` (``worker.cpu.kernels``,
-    CPU only), which gives torch.argmax's answer in a vectorized pass, where torch's own CPU
-    argmax does not vectorize.
-    """
-
-    def __init__(self, eos_token_ids: list[int], own_argmax: bool = False) -> None:
+    def __init__(self, eos_token_ids: list[int], argmax: str = "torch") -> None:
         self.eos_token_ids = list(eos_token_ids)
-        self.own_argmax = own_argmax
+        self.argmax = argmax
+        self._argmax = ARGMAX[argmax]
 
     def sample(
         self, logits: torch.Tensor, rows: list[Row], masks: PendingMasks | None = None
@@ -87,11 +100,7 @@ class Sampler:
             self._adjust(scores[i], rows[i])
         if masks is not None:
             masks.apply(scores, logits, rows)
-        # (S,) the greedy choice of every row, in one call
-        if self.own_argmax and scores.stride(-1) == 1:
-            tokens = torch.ops.nanoserve.argmax(scores)
-        else:
-            tokens = scores.argmax(dim=-1)
+        tokens = self._argmax(scores)  # (S,) the greedy choice of every row, in one call
         random_rows = [i for i, row in enumerate(rows) if row.params.temperature > 0]
         if random_rows:
             chosen = self._draw(scores[random_rows], [rows[i] for i in random_rows])

@@ -23,19 +23,17 @@ from protocol.messages import (
     StepResult,
     WorkerReady,
 )
-from worker.attention import CpuKernelBackend, select_backend
-from worker.compiled.background import BackgroundCompile, start_compile, wants_compile
-from worker.config import WorkerConfig, resolve_max_model_len
-from worker.cpu import kernels
-from worker.cpu.machine import bound_onednn_cache, default_kv_budget, usable_cpus
+from worker.attention import make_backend
+from worker.compiled.background import BackgroundCompile, start_compile
+from worker.config import WorkerConfig
+from worker.cpu.machine import bound_onednn_cache
 from worker.cpu.threads import ThreadGovernor
 from worker.grammar import grammar_masks
-from worker.kv.cache import KVCache
-from worker.linear.layouts import attach_q4, pack_for_cpu
-from worker.model.llama import MLP, Attention, LlamaModel, ModelSpec, RMSNorm
+from worker.loading import load, make_cache
+from worker.model.ops import ModelOps
 from worker.parallel import steps as tp_steps
 from worker.parallel.group import SOLO, Group
-from worker.parallel.sharding import Shard
+from worker.plan import Plan
 from worker.rows import RowTable, written_blocks
 from worker.sampler import Sampler
 from worker.shapes import padded_count
@@ -56,35 +54,24 @@ class Worker:
         progress: bool = True,
         group: Group = SOLO,
         background_compile: bool = False,
+        plan: Plan | None = None,
     ) -> None:
-        """Load the model and size the cache. Compiled decode steps (``config.compile``; by
-        default on CPU, off the generic path) are built here, or, with ``background_compile``,
-        beside the steps: the worker runs eagerly until they are ready
-        (``worker.compiled.background``)."""
-        from models.files import resolve_model
-        from worker.model.loader import load_checkpoint
-
+        """Load the model and size the cache, running as the worker's plan says (``plan``, or
+        the one resolved for this machine: ``worker.plan``). Compiled decode steps (the plan's
+        ``compile``) are built here, or, with ``background_compile``, beside the steps: the
+        worker runs eagerly until they are ready (``worker.compiled.background``)."""
         bound_onednn_cache()
-        # By default the CPUs this process may use, shared between the host's ranks.
-        self.num_threads = config.num_threads or max(1, usable_cpus() // group.local_size)
+        self.config, self.group = config, group
+        loaded = load(config, group, plan, progress)
+        self.plan = loaded.plan
+        self.files, self.spec, self.shard = loaded.files, loaded.spec, loaded.shard
+        self.model, self.q4_linears = loaded.model, loaded.q4_linears
+        self.eos_token_ids, self.max_model_len = loaded.eos_token_ids, loaded.max_model_len
+        self.num_threads = self.plan.threads
         torch.set_num_threads(self.num_threads)
-        # One rank on CPU may drop to one thread beside a neighbour (ranks must stay alike).
-        adapts = config.adapt_threads and config.resolved_device == "cpu" and group.size == 1
-        self.threads = ThreadGovernor(self.num_threads if adapts else 1)
-        self.config = config
-        self.group = group
-        self.device = config.resolved_device
-        self.dtype = getattr(torch, config.resolved_dtype)
-        self.files = resolve_model(config.model)
-        self.q4_linears = 0  # linears that also hold 4-bit weights for small steps
-        checkpoint = load_checkpoint(self.files, self.dtype, progress, self._shard_of)
-        self.spec = ModelSpec.from_config(checkpoint.config)
-        self.shard = Shard.of(self.spec, group.rank, group.size)
-        self.eos_token_ids = checkpoint.eos_token_ids
-        self.max_model_len = resolve_max_model_len(config, checkpoint.config)
-        self._load_model(checkpoint)
-        self.kv_dtype = self._kv_dtype()
-        self.cache = self._make_cache()
+        self.threads = ThreadGovernor(self.num_threads if self.plan.adapt_threads else 1)
+        self.ops = ModelOps.for_plan(self.plan)
+        self.cache = make_cache(config, loaded, group)
         self.row_table = RowTable(
             num_slots=config.num_slots,
             num_blocks=self.cache.num_blocks,
@@ -92,76 +79,22 @@ class Worker:
             max_model_len=self.max_model_len,
             seed=config.seed,
         )
-        self._choose_kernels()
+        self.attention = make_backend(
+            self.plan,
+            n_heads=self.shard.local_heads,
+            n_kv_heads=self.shard.local_kv_heads,
+            head_dim=self.spec.head_dim,
+            block_size=config.block_size,
+        )
+        self.sampler = Sampler(self.eos_token_ids, self.plan.argmax)
         self.grammar = grammar_masks(self.files, self.spec.vocab_size, self.eos_token_ids)
         self.compiled = None
         self.compile_job: BackgroundCompile | None = None
-        if wants_compile(self):
+        if self.plan.compile == "inductor":
             self.compiled, self.compile_job = start_compile(self, background_compile)
         self._in_step = False
         self._step_ended = time.monotonic()
         self.cache.populate(self.compile_job.wait if self.compile_job else None, self._busy)
-
-    def _shard_of(self, model_config) -> Shard | None:
-        """What this rank reads of every tensor (None: all of it); ValueError for a group size
-        that does not split the model's heads."""
-        if self.group.size == 1:
-            return None
-        return Shard.of(ModelSpec.from_config(model_config), self.group.rank, self.group.size)
-
-    def _load_model(self, checkpoint) -> None:
-        """The model on its device; on CPU, off the generic path, in its faster weight layouts.
-        The 4-bit matrices are not sharded: a tensor-parallel rank keeps plain weights."""
-        with torch.device("meta"):
-            self.model = LlamaModel(self.spec, self.shard, self.group)
-        self.model.load_weights(checkpoint.weights)
-        self.model = self.model.to(self.device).eval()
-        if self.config.generic_path or not pack_for_cpu(self.model):
-            return
-        # bfloat16; or float32 that ``auto`` chose (a CPU without native bfloat16), whose small
-        # steps round their rows to bfloat16 for the 4-bit weights. An explicit float32 stays
-        # exact.
-        takes_q4 = self.dtype == torch.bfloat16 or self.config.dtype == "auto"
-        if takes_q4 and self.config.q4_max_tokens and self.group.size == 1:
-            self._attach_q4(checkpoint.config.model_type)
-
-    def _choose_kernels(self) -> None:
-        """The attention backend and the sampler's argmax, chosen once. Asked now, so that the
-        first build of ``worker.cpu.kernels`` happens before the worker announces itself, not in a
-        step."""
-        generic = self.config.generic_path
-        own_kernels = self.device == "cpu" and not generic and kernels.available()
-        # ``auto``'s float32 (its linears already take 8-bit activations; an explicit float32
-        # stays exact): eager norms and SwiGLU in the AVX2 kernels.
-        auto_float32 = self.config.dtype == "auto" and self.dtype == torch.float32
-        own_f32 = auto_float32 and self.device == "cpu" and not generic and kernels.loaded()
-        self.sampler = Sampler(self.eos_token_ids, own_argmax=own_kernels)
-        for module in self.model.modules():
-            if isinstance(module, (RMSNorm, MLP, Attention)):
-                module.kernel = own_kernels
-            if isinstance(module, (RMSNorm, MLP)):
-                module.kernel_f32 = own_f32
-        self.attention = select_backend(
-            n_heads=self.shard.local_heads,
-            n_kv_heads=self.shard.local_kv_heads,
-            head_dim=self.spec.head_dim,
-            block_size=self.config.block_size,
-            dtype=self.dtype,
-            kv_dtype=self.kv_dtype,
-            device=self.device,
-            generic=generic,
-        )
-
-    def _attach_q4(self, model_type: str) -> None:
-        """Small steps on the GGUF's own 4-bit matrices, where it has them (see ``Linear``)."""
-        from worker.model.loader import load_q4
-
-        if self.files.gguf_file is None:
-            return
-        tensors = load_q4(self.files, model_type, self.spec.n_heads, self.spec.n_kv_heads)
-        self.q4_linears = attach_q4(
-            self.model, tensors, self.config.q4_max_tokens, self.config.w4a8
-        )
 
     @property
     def decode_path(self) -> str:
@@ -174,55 +107,6 @@ class Worker:
             return "eager"
         return "compiled" if job.state == "ready" else job.state  # the next step adopts it
 
-    def _kv_dtype(self) -> torch.dtype:
-        """The pool's dtype (``WorkerConfig.kv_cache_dtype``): the model's, or float16 under a
-        float32 model whose decodes run in the AVX2 kernel, which widens it as it reads; ValueError
-        for any other."""
-        wanted = self.config.kv_cache_dtype
-        half_ok = (
-            self.dtype == torch.float32
-            and not self.config.generic_path
-            and CpuKernelBackend.supports(
-                self.dtype,
-                self.device,
-                self.spec.head_dim,
-                self.shard.local_heads,
-                self.shard.local_kv_heads,
-            )
-        )
-        if wanted == "auto":
-            auto_float32 = self.config.dtype == "auto"
-            return torch.float16 if half_ok and auto_float32 else self.dtype
-        chosen = getattr(torch, wanted)
-        if chosen != self.dtype and not (chosen == torch.float16 and half_ok):
-            raise ValueError(
-                f"kv_cache_dtype {wanted} needs a {wanted} model, or float16 a float32 one on a "
-                f"CPU with AVX2 and F16C (this worker: {self.dtype} on {self.device})"
-            )
-        return chosen
-
-    def _make_cache(self) -> KVCache:
-        spec, config = self.spec, self.config
-        geometry = dict(
-            num_layers=spec.num_layers,
-            block_size=config.block_size,
-            n_kv_heads=self.shard.local_kv_heads,
-            head_dim=spec.head_dim,
-            dtype=self.kv_dtype,
-        )
-        num_blocks = config.num_blocks
-        if num_blocks is None:
-            # A host's CPU ranks share its RAM (each GPU rank has its own device); an explicit
-            # --kv-cache-memory is each rank's own.
-            ranks_here = self.group.local_size if self.device == "cpu" else 1
-            budget = config.kv_cache_memory or default_kv_budget(self.device) // ranks_here
-            per_block = KVCache.bytes_per_block(**geometry)
-            num_blocks = KVCache.blocks_for_budget(
-                budget, per_block, self.max_model_len, config.block_size
-            )
-        num_blocks = self.group.min_int(num_blocks)  # one pool: the same block count everywhere
-        return KVCache(num_blocks=num_blocks, device=self.device, **geometry)
-
     def ready(self) -> WorkerReady:
         """The announcement of this worker's cache geometry."""
         return WorkerReady(
@@ -234,17 +118,10 @@ class Worker:
             max_model_len=self.max_model_len,
             eos_token_ids=list(self.eos_token_ids),
             vocab_size=self.spec.vocab_size,
-            device=self.device,
-            dtype=self.config.resolved_dtype,
+            device=self.plan.device,
+            dtype=self.plan.dtype,
             tensor_parallel_size=self.group.size,
-            plan={
-                "device": self.device,
-                "dtype": self.config.resolved_dtype,
-                "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
-                "attention": self.attention.name,
-                "decode": self.decode_path,
-                "threads": str(self.num_threads),
-            },
+            plan=self.plan.summary(),
         )
 
     def execute(self, step: StepInput) -> StepResult:
@@ -325,13 +202,13 @@ class Worker:
             ids.extend([0] * padding)
             positions.extend([0] * padding)
             sampled = last + last[:1] * (padded_count(len(last)) - len(last))
-            ids_t = torch.tensor(ids, device=self.device)
-            pos_t = torch.tensor(positions, device=self.device)
+            ids_t = torch.tensor(ids, device=self.plan.device)
+            pos_t = torch.tensor(positions, device=self.plan.device)
             compiled = self._compiled()
             if compiled is not None and compiled.accepts(meta):
                 hidden = compiled(ids_t, pos_t, meta)  # (T, hidden)
             else:
-                hidden = self.model(ids_t, pos_t, meta, self.cache, self.attention)
+                hidden = self.model(ids_t, pos_t, meta, self.cache, self.attention, self.ops)
             if not last:  # every rank knows it: the step is the same everywhere
                 return torch.zeros(0, self.spec.vocab_size) if self.group.leader else None
             scores = self.model.logits(hidden[sampled])  # (S', vocab range) of this rank

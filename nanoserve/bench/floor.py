@@ -38,14 +38,8 @@ class Floor:
 
 
 def linear_bytes(linear: Linear, rows: int) -> int:
-    """Bytes of the weight form ``linear`` multiplies ``rows`` rows by."""
-    if linear.q4 is not None and rows <= linear.q4_max_tokens:
-        return sum(t.numel() * t.element_size() for t in linear.q4)
-    if linear.w4a8 is not None:  # one byte per integer, and q4's scales and lows
-        return linear.w4a8.numel() + sum(t.numel() * t.element_size() for t in linear.q4[1:])
-    source = linear.packed if linear.packed is not None else linear.weight
-    # oneDNN's packed layout may pad; the plain matrix is what must be read.
-    return linear.in_features * linear.out_features * source.element_size()
+    """Bytes of the weight form ``linear`` multiplies ``rows`` rows by (its method's)."""
+    return linear.method.streamed(linear, rows)
 
 
 def step_floor(model, batch: int, context: int, kv_dtype: torch.dtype, bandwidth: float) -> Floor:

@@ -73,7 +73,8 @@ def bench_forward(
         for batch in batch_sizes:
             row = _one(worker, dtype, batch, context, decode_steps, blocks_per_row, vocab, profile)
             if profile:
-                floor = step_floor(worker.model, batch, context, worker.kv_dtype, bandwidth)
+                kv_dtype = worker.plan.torch_kv_dtype
+                floor = step_floor(worker.model, batch, context, kv_dtype, bandwidth)
                 row = replace(row, floor=floor)
             rows.append(row)
     return rows

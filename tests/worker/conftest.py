@@ -61,8 +61,9 @@ def tiny_dir(tiny_factory) -> Path:
     return tiny_factory()
 
 
-def make_worker(model: Path | str | None, **overrides):
-    """A worker with a small cache (block_size 4, so requests span several blocks)."""
+def make_worker(model: Path | str | None, plan=None, **overrides):
+    """A worker with a small cache (block_size 4, so requests span several blocks); ``plan``
+    overrides the one resolved for this machine (``worker.plan``)."""
     from worker.config import WorkerConfig
     from worker.worker import Worker
 
@@ -70,7 +71,8 @@ def make_worker(model: Path | str | None, **overrides):
         block_size=4, num_blocks=256, num_slots=8, num_threads=None, dtype="float32", compile=False
     )
     settings.update(overrides)
-    worker = Worker(WorkerConfig(model=None if model is None else str(model), **settings), False)
+    config = WorkerConfig(model=None if model is None else str(model), **settings)
+    worker = Worker(config, progress=False, plan=plan)
     # Poison the pool: a read of a position that was never written turns the logits into NaN.
     worker.cache.pool.fill_(float("nan"))
     return worker

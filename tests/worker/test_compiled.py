@@ -37,13 +37,22 @@ def _config(tiny_dir):
     )  # fmt: skip
 
 
+def _plan(tiny_dir):
+    """The plan a worker of ``_config`` runs here (the tiny model: 4 heads of 16, 2 KV)."""
+    from worker.plan import resolve
+
+    return resolve(
+        _config(tiny_dir), device="cpu", dtype="float32", head_dim=16, n_heads=4, n_kv_heads=2,
+        q4={},
+    )  # fmt: skip
+
+
 def _marker(tiny_dir) -> Path:
     from models.files import resolve_model
     from worker.compiled.background import compile_dir
-    from worker.cpu.machine import usable_cpus
 
     model_id = resolve_model(str(tiny_dir)).model_id
-    return compile_dir(_config(tiny_dir), model_id, usable_cpus()) / "compiled.ok"
+    return compile_dir(_config(tiny_dir), _plan(tiny_dir), model_id) / "compiled.ok"
 
 
 class BuiltBeside(NamedTuple):
@@ -275,7 +284,8 @@ def test_the_cache_key_names_where_torch_is_installed(tiny_dir, monkeypatch):
     builds are keyed by a command line that names torch's include directory."""
     from worker.compiled.background import compile_dir
 
-    here = compile_dir(_config(tiny_dir), "m", 2)
-    assert compile_dir(_config(tiny_dir), "m", 2) == here
+    config, plan = _config(tiny_dir), _plan(tiny_dir)
+    here = compile_dir(config, plan, "m")
+    assert compile_dir(config, plan, "m") == here
     monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/site-packages/torch/__init__.py")
-    assert compile_dir(_config(tiny_dir), "m", 2) != here
+    assert compile_dir(config, plan, "m") != here

@@ -16,7 +16,7 @@ import torch
 from attention_cases import BLOCK, HEADS, case, reference
 from conftest import make_worker
 
-from worker.attention import CpuKernelBackend, TorchBackend
+from worker.attention import CpuF32Backend, TorchBackend
 from worker.cpu import kernels
 
 
@@ -184,7 +184,7 @@ def test_float32_steps_decode_with_it_and_pick_the_torch_backends_tokens(tiny_di
     spans and chunks continuing a cached prefix."""
     decodes, prefills = _count_calls(monkeypatch)
     worker = make_worker(tiny_dir, dtype="float32")
-    assert isinstance(worker.attention, CpuKernelBackend)  # chosen, and built, at start
+    assert isinstance(worker.attention, CpuF32Backend)  # chosen, and built, at start
     with_kernel = _run_mixed(worker)
     assert len(decodes) > 0 and all(shape[1:] == (4, 16) for shape in decodes)  # (B, nq, hd)
     assert (5, 0, torch.float32) in prefills and (5, 5, torch.float32) in prefills, prefills
@@ -225,7 +225,7 @@ def test_a_float16_pool_under_float32_stays_within_its_rounding(tiny_dir):
         kv_cache_memory=1 << 20,
         num_blocks=None,
     )
-    assert exact.kv_dtype == torch.float32 and half.kv_dtype == torch.float16
+    assert (exact.plan.kv_dtype, half.plan.kv_dtype) == ("float32", "float16")
     assert half.cache.pool.dtype == torch.float16 and half.attention.dtype == torch.float32
     assert half.cache.num_blocks == 2 * exact.cache.num_blocks
     for a, b in zip(_run_mixed(exact), _run_mixed(half), strict=True):
@@ -236,7 +236,7 @@ def test_a_float16_pool_under_float32_stays_within_its_rounding(tiny_dir):
 def test_the_kv_cache_dtype_is_the_models_unless_float16_can_be_read(tiny_dir):
     from worker.config import WorkerConfig
 
-    assert make_worker(tiny_dir, dtype="float32").kv_dtype == torch.float32  # explicit: exact
+    assert make_worker(tiny_dir, dtype="float32").plan.kv_dtype == "float32"  # explicit: exact
     with pytest.raises(ValueError, match="kv_cache_dtype float16 needs"):
         make_worker(tiny_dir, dtype="float32", kv_cache_dtype="float16", generic_path=True)
     with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 needs a bfloat16 model"):

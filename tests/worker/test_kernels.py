@@ -21,9 +21,8 @@ from attention_cases import BLOCK, HEADS, case, reference
 from conftest import make_worker
 from q4_cases import dequantized64, q4_case, w4a8_reference
 
-from worker.attention import CpuKernelBackend
 from worker.cpu import kernels
-from worker.linear.base import pack_q4, pack_w4a8
+from worker.linear.packing import float16_exact, pack_q4, pack_w4a8
 from worker.model.gguf import Q4Tensor
 from worker.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
@@ -425,27 +424,26 @@ def _count_layer_kernels(monkeypatch) -> dict[str, int]:
 
 
 def test_eager_bfloat16_steps_norm_rotate_and_activate_with_them(tiny_dir, monkeypatch):
-    """The worker turns them on for bfloat16 and they run in its eager steps; its tokens equal
-    torch's operators' and its logits stay within bfloat16's reach."""
+    """The plan turns them on for bfloat16 and they run in its eager steps; the same plan with
+    torch's pointwise ops runs none of them, and its tokens equal the kernels' and its logits
+    stay within bfloat16's reach."""
+    import dataclasses
+
     from driver import Driver, Request
 
-    from worker.model.llama import MLP, Attention, RMSNorm
-
     calls = _count_layer_kernels(monkeypatch)
+    planned = make_worker(tiny_dir, dtype="bfloat16", compile=False).plan
+    assert (planned.norm, planned.activation, planned.rotary) == ("kernel", "kernel", "kernel")
 
-    def run(kernel: bool):
-        worker = make_worker(tiny_dir, dtype="bfloat16", compile=False)
-        modules = [m for m in worker.model.modules() if isinstance(m, (RMSNorm, MLP, Attention))]
-        assert modules and all(m.kernel for m in modules)
-        for module in modules:
-            module.kernel = kernel
+    def run(plan):
+        worker = make_worker(tiny_dir, dtype="bfloat16", compile=False, plan=plan)
         return Driver(worker, eos=[]).run([Request("r", list(range(3, 30)), 5)])
 
-    with_kernels = run(True)
+    with_kernels = run(planned)
     # 2 layers x 2 norms + the final norm, and 2 MLPs and 2 attentions, in each of 5 steps
     expected = {"rms_norm": 5 * 5, "silu_mul": 5 * 2, "rotary_": 5 * 2}
     assert calls == expected
-    without = run(False)
+    without = run(dataclasses.replace(planned, norm="torch", activation="torch", rotary="torch"))
     assert calls == expected
     for a, b in zip(with_kernels, without, strict=True):
         assert a.output == b.output
@@ -459,11 +457,11 @@ def test_eager_bfloat16_steps_norm_rotate_and_activate_with_them(tiny_dir, monke
 def test_eager_steps_keep_the_kernels_while_another_thread_compiles(tiny_dir, monkeypatch):
     """torch sets ``torch.compiler.is_compiling()`` for a whole compile session, process-wide:
     while the background thread loads the compiled graphs, the stepping thread's eager steps
-    must not read it as their own tracing and fall back to torch's operators."""
+    keep the plan's operators (they never ask the flag: the compiled graph traces its own)."""
     from driver import Driver, Request
 
-    worker = make_worker(tiny_dir, dtype="bfloat16", compile=False)
     calls = _count_layer_kernels(monkeypatch)
+    worker = make_worker(tiny_dir, dtype="bfloat16", compile=False)
     monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
     assert torch.compiler.is_compiling()  # what the other thread's session makes everyone see
     Driver(worker, eos=[]).run([Request("r", list(range(3, 30)), 5)])
@@ -471,10 +469,13 @@ def test_eager_steps_keep_the_kernels_while_another_thread_compiles(tiny_dir, mo
 
 
 def test_pack_q4_refuses_scales_float16_cannot_hold():
+    """And the plan does not give such a matrix nanoserve's kernel (``Q4Fact.exact``)."""
     q4 = q4_case(16, 32, seed=2)
-    assert pack_q4([q4]) is not None
+    assert float16_exact([q4]) and pack_q4([q4]) is not None
     q4.zero[3, 0] += 1e-4  # low = zero - 8 scale is no longer a float16
-    assert pack_q4([q4]) is None
+    assert not float16_exact([q4])
+    with pytest.raises(ValueError, match="no exact float16 form"):
+        pack_q4([q4])
 
 
 def _argmax_rows(width: int, seed: int) -> torch.Tensor:
@@ -567,28 +568,33 @@ def test_bfloat16_steps_attend_with_it_and_float32_steps_do_not(tiny_dir, monkey
         argmax_calls.clear()
         worker = make_worker(tiny_dir, dtype=dtype)
         # known, and built, at start (float32 decodes in decode_attention_f32)
-        assert isinstance(worker.attention, CpuKernelBackend)
-        assert worker.sampler.own_argmax  # greedy choices in both
+        assert worker.plan.attention == {"float32": "cpu-f32", "bfloat16": "cpu-bf16"}[dtype]
+        assert worker.sampler.argmax == "kernel"  # greedy choices in both
         Driver(worker, eos=[]).run([Request("r", [1, 2, 3, 4, 5], 4)])
         assert len(calls) == want, dtype
         assert len(argmax_calls) == 4, dtype  # the prefill's token and 3 decodes
 
 
-def test_mixed_eager_steps_match_the_torch_attention(tiny_dir, monkeypatch):
+def test_mixed_eager_steps_match_the_torch_attention(tiny_dir):
     """Chunked prefills beside decodes, bucketed and padded: the kernel's logits stay within
-    bfloat16's reach of the gather-and-bmm path's, and pick the same tokens."""
+    bfloat16's reach of the gather-and-bmm path's, and pick the same tokens. The same plan but
+    for its attention: nothing else differs between the two runs."""
+    import dataclasses
+
     from driver import Driver, Request
 
-    def run():
-        worker = make_worker(tiny_dir, dtype="bfloat16")
+    planned = make_worker(tiny_dir, dtype="bfloat16").plan
+    assert planned.attention == "cpu-bf16"
+
+    def run(plan):
+        worker = make_worker(tiny_dir, dtype="bfloat16", plan=plan)
         # "a" prefills in chunks of 5 while "b" and "c" decode beside it.
         prompts = {"a": list(range(3, 40)), "b": [5, 6, 7], "c": [9, 8, 7, 6]}
         requests = [Request(name, prompt, 6) for name, prompt in prompts.items()]
         return Driver(worker, eos=[]).run(requests, chunk=5)
 
-    with_kernel = run()
-    monkeypatch.setattr(CpuKernelBackend, "supports", staticmethod(lambda *args: False))
-    without = run()
+    with_kernel = run(planned)
+    without = run(dataclasses.replace(planned, attention="torch", prefill="sdpa"))
     for a, b in zip(with_kernel, without, strict=True):
         assert a.output == b.output
         worst = max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))

@@ -14,9 +14,8 @@ import pytest
 import torch
 from conftest import make_worker
 
-from worker import config
+from worker import plan
 from worker.cpu import kernels
-from worker.model.llama import MLP, RMSNorm
 
 
 @pytest.fixture(autouse=True)
@@ -122,16 +121,15 @@ def test_autos_float32_steps_take_them_and_an_explicit_float32_does_not(tiny_dir
     norms = _counting(monkeypatch, "rms_norm_f32")
     activations = _counting(monkeypatch, "silu_mul_f32")
     exact = make_worker(tiny_dir, dtype="float32")
-    assert not any(getattr(m, "kernel_f32", False) for m in exact.model.modules())
+    assert (exact.plan.norm, exact.plan.activation) == ("torch", "torch")
     _prefill(exact)
     assert not norms and not activations
     # The float32 that ``auto`` picks on a CPU without native bfloat16 (simulated).
-    monkeypatch.setattr(config, "BF16_CPU_FLAGS", ("no-such-flag",))
+    monkeypatch.setattr(plan, "BF16_CPU_FLAGS", ("no-such-flag",))
     auto = make_worker(tiny_dir, dtype="auto")
-    assert auto.dtype == torch.float32
+    assert auto.plan.dtype == "float32"
+    assert (auto.plan.norm, auto.plan.activation) == ("kernel-f32", "kernel-f32")
     layers = auto.spec.num_layers
-    assert sum(isinstance(m, RMSNorm) and m.kernel_f32 for m in auto.model.modules()) > 2 * layers
-    assert sum(isinstance(m, MLP) and m.kernel_f32 for m in auto.model.modules()) == layers
     _prefill(auto)
     # Every eager step: two norms a layer and the final one, one activation a layer.
     assert len(norms) % (2 * layers + 1) == 0 and len(norms) >= 3 * (2 * layers + 1)

@@ -11,7 +11,10 @@ from conftest import make_worker
 from q4_cases import w4a8_reference
 
 from worker.cpu import kernels
-from worker.linear.layouts import attach_q4
+from worker.linear.base import Linear
+from worker.linear.build import apply_plan, q4_facts, use_plan
+from worker.linear.dense import OneDnn
+from worker.linear.packing import float16_exact
 from worker.model.gguf import (
     Q4Tensor,
     _q4_blocks,
@@ -19,7 +22,7 @@ from worker.model.gguf import (
     read_q4_tensors,
     unpermute_rope_rows,
 )
-from worker.model.llama import Linear
+from worker.plan import LinearPlan, Q4Fact, _onednn_packs, four_bit_linear
 
 needs_onednn = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="the 4-bit path runs on CPU with oneDNN"
@@ -86,6 +89,31 @@ def _dequantized(q4: Q4Tensor, rounded: bool = True) -> torch.Tensor:
     return (q4.q.int() - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
 
 
+def _planned(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    parts: list[Q4Tensor],
+    max_tokens: int,
+    w4a8: bool = False,
+) -> tuple[Linear, LinearPlan]:
+    """A linear of ``weight`` given the method the plan picks for its 4-bit ``parts`` on this
+    CPU (``worker.plan.four_bit_linear``), and that choice."""
+    layer = Linear.of(weight, bias)
+    dtype = str(weight.dtype).removeprefix("torch.")
+    big = "onednn" if _onednn_packs(dtype) else "dense"
+    fact = Q4Fact(parts[0].q.shape[1] // layer.in_features, float16_exact(parts))
+    choice = four_bit_linear(dtype, big, fact, max_tokens, w4a8)
+    use_plan(layer, choice, parts)
+    return layer, choice
+
+
+def _packed(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """The same matrix as oneDNN's packed linear: what a big step runs without 4 bits."""
+    layer = Linear.of(weight, bias)
+    layer.use(OneDnn())
+    return layer
+
+
 @pytest.fixture(params=["nanoserve", "torch"])
 def q4_kernel(request, monkeypatch, private_cache) -> bool:
     """Both 4-bit kernels: nanoserve's where this CPU has AVX512-BF16 (else, like the second
@@ -101,19 +129,16 @@ def test_q4_linear_computes_the_stacked_dequantized_matrix_on_small_steps_only(q
     parts = [_random_q4(96, 128, seed) for seed in (2, 3)]  # stacked by rows, as fuse does
     weight = torch.cat([_dequantized(p) for p in parts])  # (192, 128)
     bias = torch.randn(192, generator=torch.Generator().manual_seed(4)).bfloat16()
-    layer = Linear.of(weight.bfloat16(), bias.clone())
-    layer.pack()
-    layer.attach_q4(parts, max_tokens=3)
-    assert layer.q4_kernel == q4_kernel
+    layer, choice = _planned(weight.bfloat16(), bias.clone(), parts, max_tokens=3)
+    assert choice == LinearPlan("onednn", "q4" if q4_kernel else "int4", 3)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
     small = layer(x[:3]).float()
     want = F.linear(x[:3].float(), weight, bias.float())
     assert (small - want).abs().max().item() < 0.05 * want.abs().max().item()
     # A step of more tokens takes the bfloat16 matrix: exactly the packed linear's numbers.
-    large = layer(x)
-    layer.q4 = None
-    assert torch.equal(large, layer(x))
-    assert not torch.equal(small, layer(x[:3]).float())  # the small step did take another path
+    plain = _packed(weight.bfloat16(), bias.clone())
+    assert torch.equal(layer(x), plain(x))
+    assert not torch.equal(small, plain(x[:3]).float())  # the small step took another path
 
 
 @needs_onednn
@@ -126,19 +151,15 @@ def test_a_float32_linear_rounds_its_small_steps_rows_for_torchs_4bit_kernel(mon
     monkeypatch.setattr(kernels, "loaded", lambda: False)
     parts = [_random_q4(96, 128, seed) for seed in (2, 3)]
     weight = torch.cat([_dequantized(p) for p in parts])  # (192, 128)
-    layer = Linear.of(weight.clone(), None)
-    layer.pack()
-    layer.attach_q4(parts, max_tokens=3)
-    assert not layer.q4_kernel
+    layer, choice = _planned(weight.clone(), None, parts, max_tokens=3)
+    assert choice == LinearPlan("onednn", "int4", 3)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(5))
     small = layer(x[:3])
     assert small.dtype == torch.float32
     rounded = F.linear(x[:3].bfloat16().float(), weight)
     assert (small - rounded).abs().max().item() < 0.01 * rounded.abs().max().item()
     assert not torch.equal(small, F.linear(x[:3], weight))
-    large = layer(x)
-    layer.q4 = None
-    assert torch.equal(large, layer(x))
+    assert torch.equal(layer(x), _packed(weight.clone())(x))
 
 
 def _assert_one_graph_for_2_and_12_rows(layer: Linear, x: torch.Tensor, eager: list) -> None:
@@ -166,17 +187,14 @@ def test_a_float32_linear_takes_8bit_activations_on_small_steps_only_without_w4a
     q4 = Q4Tensor(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
     weight = _dequantized(q4, rounded=False)  # (192, 128)
     bias = torch.randn(192, generator=torch.Generator().manual_seed(4))
-    layer = Linear.of(weight.clone(), bias.clone())
-    layer.pack()
-    layer.attach_q4(parts, max_tokens=3)
-    assert layer.q4a8 and not layer.q4_kernel and layer.packed is not None
+    layer, choice = _planned(weight.clone(), bias.clone(), parts, max_tokens=3)
+    assert choice == LinearPlan("onednn", "q4a8", 3) and layer.packed is not None
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(5))
     small = layer(x[:3]).double()
     want = w4a8_reference(x[:3], q4) + bias.double()
     assert ((small - want).abs() <= 1e-5 * want.abs().max()).all()
-    large = layer(x)
-    layer.q4 = None
-    assert torch.equal(large, layer(x))  # the packed float32 linear's own numbers
+    # the packed float32 linear's own numbers
+    assert torch.equal(layer(x), _packed(weight.clone(), bias.clone())(x))
 
 
 @needs_onednn
@@ -188,10 +206,8 @@ def test_with_w4a8_every_step_of_a_float32_linear_takes_8bit_activations_in_one_
     compiled graph with a dynamic batch takes 2 rows and 12 without recompiling."""
     parts = [_random_q4(96, 128, seed) for seed in (2, 3)]
     q4 = Q4Tensor(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
-    layer = Linear.of(_dequantized(q4, rounded=False), None)
-    layer.pack()
-    layer.attach_q4(parts, max_tokens=3, w4a8=True)
-    assert layer.q4a8 and layer.packed is None and layer.weight is None
+    layer, choice = _planned(_dequantized(q4, rounded=False), None, parts, 3, w4a8=True)
+    assert str(choice) == "q4a8" and layer.weight is None and not hasattr(layer, "packed")
     x = torch.randn(12, 128, generator=torch.Generator().manual_seed(5))
     eager = [layer(x[:2]), layer(x)]
     for rows, got in zip((2, 12), eager, strict=True):
@@ -205,17 +221,15 @@ def test_with_w4a8_every_step_of_a_float32_linear_takes_8bit_activations_in_one_
 def test_a_float32_q8_linear_feeds_both_halves_to_the_avx2_kernel():
     q8 = _q8_blocks(_q8_rows(rows=160, cols=96, seed=7))
     halves = _dequantized(q8, rounded=False)  # (160, 192)
-    layer = Linear.of(halves[:, :96] + halves[:, 96:], None)
-    layer.pack()
-    layer.attach_q4([q8], max_tokens=32)
-    assert layer.q4a8 and layer.q4_halves == 2
+    weight = halves[:, :96] + halves[:, 96:]
+    layer, choice = _planned(weight.clone(), None, [q8], max_tokens=32)
+    assert choice == LinearPlan("onednn", "q4a8", 32) and layer.q4_halves == 2
     x = torch.randn(33, 96, generator=torch.Generator().manual_seed(8))
     for rows in (1, 32):
         want = w4a8_reference(torch.cat([x[:rows], x[:rows]], dim=1), q8)
         assert ((layer(x[:rows]).double() - want).abs() <= 1e-5 * want.abs().max()).all()
-    plain = layer(x)  # 33 rows: the float32 matrix's own numbers
-    layer.q4 = None
-    assert torch.equal(plain, layer(x))
+    # 33 rows: the float32 matrix's own numbers
+    assert torch.equal(layer(x), _packed(weight.clone())(x))
 
 
 @needs_onednn
@@ -227,9 +241,8 @@ def test_w4a8_takes_the_big_steps_and_the_bfloat16_matrix_goes(private_cache):
     parts = [_random_q4(96, 128, seed) for seed in (2, 3)]
     weight = torch.cat([_dequantized(p) for p in parts])  # (192, 128)
     bias = torch.randn(192, generator=torch.Generator().manual_seed(4)).bfloat16()
-    layer = Linear.of(weight.bfloat16(), bias.clone())
-    layer.pack()
-    layer.attach_q4(parts, max_tokens=3, w4a8=True)
+    layer, choice = _planned(weight.bfloat16(), bias.clone(), parts, 3, w4a8=True)
+    assert choice == LinearPlan("w4a8", "q4", 3)
     assert layer.w4a8 is not None and layer.packed is None and layer.weight is None
     x = torch.randn(12, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
     _, scale, low = layer.q4
@@ -240,10 +253,9 @@ def test_w4a8_takes_the_big_steps_and_the_bfloat16_matrix_goes(private_cache):
     small = torch.ops.nanoserve.q4_linear(x[:3], *layer.q4)[:, :192] + bias
     assert torch.equal(layer(x[:3]), small)
     # an 8-bit matrix (two halves) keeps its bfloat16 matrix for its big steps
-    q8 = Linear.of(torch.zeros(160, 96).bfloat16(), None)
-    q8.pack()
-    q8.attach_q4([_q8_blocks(_q8_rows(rows=160, cols=96, seed=7))], max_tokens=1, w4a8=True)
-    assert q8.w4a8 is None and q8.packed is not None
+    halves = [_q8_blocks(_q8_rows(rows=160, cols=96, seed=7))]
+    q8, choice = _planned(torch.zeros(160, 96).bfloat16(), None, halves, 1, w4a8=True)
+    assert choice == LinearPlan("onednn", "q4", 1) and q8.packed is not None
 
 
 @needs_onednn
@@ -258,9 +270,8 @@ def test_a_compiled_4bit_linear_has_one_graph_for_every_batch(private_cache, w4a
     if w4a8 and not kernels.uses_vnni():
         pytest.skip("w4a8_linear needs AVX512-VNNI")
     parts = [_random_q4(96, 128, seed) for seed in (2, 3)]
-    layer = Linear.of(torch.cat([_dequantized(p) for p in parts]).bfloat16(), None)
-    layer.pack()
-    layer.attach_q4(parts, max_tokens=3, w4a8=w4a8)
+    weight = torch.cat([_dequantized(p) for p in parts]).bfloat16()
+    layer, _ = _planned(weight, None, parts, 3, w4a8=w4a8)
     x = torch.randn(12, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
     eager = [layer(x[:2]), layer(x)]
     _assert_one_graph_for_2_and_12_rows(layer, x, eager)
@@ -271,18 +282,15 @@ def test_q8_linear_feeds_both_halves_on_single_rows_only(q4_kernel):
     q8 = _q8_blocks(_q8_rows(rows=160, cols=96, seed=7))
     halves = _dequantized(q8)  # (160, 192)
     weight = halves[:, :96] + halves[:, 96:]  # (160, 96)
-    layer = Linear.of(weight.bfloat16(), None)
-    layer.pack()
-    layer.attach_q4([q8], max_tokens=1)
-    assert layer.q4_kernel == q4_kernel
+    layer, choice = _planned(weight.bfloat16(), None, [q8], max_tokens=1)
+    assert choice == LinearPlan("onednn", "q4" if q4_kernel else "int4", 1)
     assert layer.q4_halves == 2
     x = torch.randn(2, 96, generator=torch.Generator().manual_seed(8)).bfloat16()
     one = layer(x[:1]).float()
     want = F.linear(x[:1].float(), weight)
     assert (one - want).abs().max().item() < 0.01 * want.abs().max().item()
-    two = layer(x)  # two rows take the bfloat16 matrix
-    layer.q4 = None
-    assert torch.equal(two, layer(x)) and not torch.equal(one, layer(x[:1]).float())
+    plain = _packed(weight.bfloat16())  # two rows take the bfloat16 matrix
+    assert torch.equal(layer(x), plain(x)) and not torch.equal(one, plain(x[:1]).float())
 
 
 @pytest.mark.slow
@@ -315,18 +323,37 @@ def test_real_q4_rows_are_the_gguf_rows_in_hugging_face_order():
 
 @needs_onednn
 def test_layers_take_only_4bit_matrices_and_the_lm_head_takes_8bit_for_one_row(tiny_dir):
-    worker = make_worker(tiny_dir, dtype="bfloat16", q4_max_tokens=0)
-    tensors = {
-        "model.layers.0.self_attn.o_proj.weight": _q8_blocks(_q8_rows(64, 64, seed=9)),
-        "model.layers.0.mlp.down_proj.weight": _random_q4(64, 128, seed=10),
-        "lm_head.weight": _q8_blocks(_q8_rows(256, 64, seed=11)),
-    }
-    assert attach_q4(worker.model, tensors, max_tokens=8) == 2
-    layer = worker.model.model.layers[0]
-    assert layer.self_attn.o_proj.q4 is None  # 8-bit: left to bfloat16 in the layers
-    assert layer.mlp.down_proj.q4 is not None and layer.mlp.down_proj.q4_max_tokens == 8
-    head = worker.model.lm_head
-    assert head.q4_halves == 2 and head.q4_max_tokens == 1
+    """The plan runs a kind on 4 bits only where every layer has its 4-bit matrices; an 8-bit
+    one (two halves) pays for single rows only, so only the lm head takes it, for one row."""
+    import dataclasses
+
+    from worker.plan import resolve
+
+    worker = make_worker(tiny_dir, dtype="bfloat16", q4_max_tokens=0, generic_path=True)
+    layers = worker.spec.num_layers
+    tensors = {"lm_head.weight": _q8_blocks(_q8_rows(256, 64, seed=11))}
+    for index in range(layers):
+        tensors[f"model.layers.{index}.self_attn.o_proj.weight"] = _q8_blocks(
+            _q8_rows(64, 64, seed=9 + index)
+        )
+        tensors[f"model.layers.{index}.mlp.down_proj.weight"] = _random_q4(64, 128, 20 + index)
+    del tensors[f"model.layers.{layers - 1}.mlp.down_proj.weight"]  # one layer lacks it
+    facts = q4_facts(worker.model, tensors)
+    assert set(facts) == {"o_proj", "lm_head"} and facts["o_proj"].halves == 2
+    config = dataclasses.replace(worker.config, q4_max_tokens=8, generic_path=False)
+    plan = resolve(config, device="cpu", dtype="bfloat16", head_dim=16, n_heads=4,
+                   n_kv_heads=2, q4=facts)  # fmt: skip
+    assert plan.linears["o_proj"].small is None  # 8-bit: left to bfloat16 in the layers
+    head = plan.linears["lm_head"]
+    assert head.small in ("q4", "int4") and head.max_rows == 1
+    tensors[f"model.layers.{layers - 1}.mlp.down_proj.weight"] = _random_q4(64, 128, 99)
+    facts = q4_facts(worker.model, tensors)
+    plan = resolve(config, device="cpu", dtype="bfloat16", head_dim=16, n_heads=4,
+                   n_kv_heads=2, q4=facts)  # fmt: skip
+    assert plan.linears["down_proj"].small in ("q4", "int4")
+    assert plan.linears["down_proj"].max_rows == 8
+    assert apply_plan(worker.model, plan, tensors) == layers + 1
+    assert worker.model.lm_head.q4_halves == 2
 
 
 @pytest.mark.slow
@@ -336,21 +363,21 @@ def test_the_floor_counts_the_weight_form_each_batch_size_reads(tiny_dir):
     one embedding row per token, and the K/V attended over."""
     from nanoserve.bench.floor import read_bandwidth, step_floor
 
-    worker = make_worker(tiny_dir, dtype="bfloat16", q4_max_tokens=0)
+    worker = make_worker(tiny_dir, dtype="bfloat16", q4_max_tokens=0, generic_path=True)
     down = _random_q4(64, 128, seed=10)
-    tensors = {
-        "model.layers.0.mlp.down_proj.weight": down,
-        "lm_head.weight": _q8_blocks(_q8_rows(256, 64, seed=11)),
-    }
-    assert attach_q4(worker.model, tensors, max_tokens=8) == 2
-    spec, model = worker.model.spec, worker.model
+    model = worker.model
+    use_plan(model.model.layers[0].mlp.down_proj, _choice("bfloat16", 8), [down])
+    use_plan(model.lm_head, _choice("bfloat16", 1), [_q8_blocks(_q8_rows(256, 64, seed=11))])
+    spec = model.spec
     d, inter, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
     per_layer = d * (spec.n_heads + 2 * spec.n_kv_heads) * hd + spec.n_heads * hd * d
     per_layer += 2 * inter * d + inter * d  # gate|up fused, then down
     plain = spec.num_layers * per_layer * 2  # bfloat16, each fused matrix counted once
-    packed_down = model.model.layers[0].mlp.down_proj.q4
+    down_proj = model.model.layers[0].mlp.down_proj
+    packed_down = getattr(down_proj, "q4", None) or down_proj.int4
     q4_bytes = sum(t.numel() * t.element_size() for t in packed_down)
-    head_q8 = sum(t.numel() * t.element_size() for t in model.lm_head.q4)
+    head = model.lm_head
+    head_q8 = sum(t.numel() * t.element_size() for t in getattr(head, "q4", None) or head.int4)
 
     one, two, nine = (step_floor(model, b, 10, torch.bfloat16, 2e9) for b in (1, 2, 9))
     assert nine.linears == plain + 9 * d * 2  # nothing 4-bit at 9 rows
@@ -361,7 +388,17 @@ def test_the_floor_counts_the_weight_form_each_batch_size_reads(tiny_dir):
     assert two.seconds == (two.linears + two.head + two.kv) / 2e9
     assert read_bandwidth(repeats=1) > 1e8  # bytes a second: any machine reads 100 MB/s
     if kernels.uses_vnni():  # with --w4a8 the big steps read the integers a byte each
-        model.model.layers[0].mlp.down_proj.attach_q4([down], max_tokens=8, w4a8=True)
-        scales = sum(t.numel() * t.element_size() for t in packed_down[1:])
+        down_proj = model.model.layers[1].mlp.down_proj  # its float weight is still there
+        use_plan(down_proj, _choice("bfloat16", 8, w4a8=True), [down])
+        scales = sum(t.numel() * t.element_size() for t in down_proj.q4[1:])
         nine = step_floor(model, 9, 10, torch.bfloat16, 2e9)
         assert nine.linears == plain - inter * d * 2 + inter * d + scales + 9 * d * 2
+        assert (
+            step_floor(model, 2, 10, torch.bfloat16, 2e9).linears
+            == two.linears + q4_bytes - inter * d * 2
+        )
+
+
+def _choice(dtype: str, rows: int, w4a8: bool = False) -> LinearPlan:
+    big = "onednn" if _onednn_packs(dtype) else "dense"
+    return four_bit_linear(dtype, big, Q4Fact(1, True), rows, w4a8)

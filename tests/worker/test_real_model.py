@@ -14,10 +14,10 @@ import torch
 from conftest import hf_greedy, hf_logits, make_worker
 from driver import Driver, Request, greedy_requests
 
-from worker import config
+from worker import plan
 from worker.attention import TorchBackend
 from worker.cpu import kernels
-from worker.linear.layouts import LM_HEAD_Q4_MAX_ROWS
+from worker.plan import LINEAR_KINDS, LM_HEAD_Q4_MAX_ROWS
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def real_worker():
 def real_generic_worker():
     """The code CUDA runs, on CPU (``generic_path``)."""
     worker = make_worker(None, block_size=16, num_blocks=512, num_slots=16, generic_path=True)
-    assert type(worker.attention) is TorchBackend and not worker.sampler.own_argmax
+    assert type(worker.attention) is TorchBackend and worker.sampler.argmax == "torch"
     return worker
 
 
@@ -156,9 +156,8 @@ def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts,
     assert workers["q4"].q4_linears == 30 * 4 + 1  # qkv, o, gate_up, down in every layer; lm head
     assert workers["f32"].q4_linears == 0
     if kernels.uses_vnni():  # the MLP's big steps take 8-bit activations, the attention's not
-        modules = workers["q4"].model.named_modules()
-        taking = [n for n, m in modules if getattr(m, "w4a8", None) is not None]
-        assert len(taking) == 30 * 2 and all(".mlp." in name for name in taking)
+        taking = {kind for kind, c in workers["q4"].plan.linears.items() if c.big == "w4a8"}
+        assert taking == {"gate_up_proj", "down_proj"}
     # float32 batched gives the tokens it gives alone (test_real_greedy_matches_transformers),
     # in a tenth of the time
     reference = Driver(workers["f32"], eos=[]).run(
@@ -179,17 +178,18 @@ def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts,
     # on the same 4-bit weights times 8-bit activations in nanoserve's AVX2 kernel (llama.cpp's
     # numerics) over a float16 K/V pool, or where it is not built, small steps through torch's
     # kernel, their rows rounded to bfloat16.
-    monkeypatch.setattr(config, "BF16_CPU_FLAGS", ("no-such-flag",))
+    monkeypatch.setattr(plan, "BF16_CPU_FLAGS", ("no-such-flag",))
     monkeypatch.setattr(kernels, "uses_bf16", lambda: False)
     auto = make_worker(None, block_size=16, num_blocks=512, num_slots=12, dtype="auto")
-    assert auto.dtype == torch.float32 and auto.q4_linears == 30 * 4 + 1
+    assert auto.plan.dtype == "float32" and auto.q4_linears == 30 * 4 + 1
     few = forced()[:4]
     auto_runs = [Driver(auto, eos=[]).run([request])[0] for request in few]
     if kernels.loaded():
-        q4a8 = [m for m in auto.model.modules() if getattr(m, "q4a8", False)]
-        assert len(q4a8) == 30 * 4 + 1
-        assert auto.model.lm_head.q4_max_tokens == LM_HEAD_Q4_MAX_ROWS  # the others: all rows
-        assert auto.kv_dtype == torch.float16  # K/V rounded to float16 as well, as llama.cpp's
+        linears = auto.plan.linears
+        assert all(str(linears[kind]) == "q4a8" for kind in LINEAR_KINDS if kind != "lm_head")
+        head = linears["lm_head"]  # the others: all rows
+        assert head.small == "q4a8" and head.max_rows == LM_HEAD_Q4_MAX_ROWS
+        assert auto.plan.kv_dtype == "float16"  # K/V rounded to float16 too, as llama.cpp's
         name = "float32 (auto), 4-bit x 8-bit"
         runs.append((name, reference[:4], auto_runs, W4A8_TOL, W4A8_AGREE))
     else:

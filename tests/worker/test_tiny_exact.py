@@ -11,7 +11,7 @@ from driver import Driver, greedy_requests
 
 from worker.attention import TorchBackend
 from worker.cpu import kernels
-from worker.linear.base import Linear
+from worker.linear.base import DENSE, Linear
 
 PROMPTS = [
     [1, 17, 42, 99, 3],
@@ -73,9 +73,10 @@ def test_generic_path_runs_only_what_cuda_runs(tiny_dir, dtype, monkeypatch):
     monkeypatch.setattr(kernels, "available", _no_kernels)
     worker = make_worker(tiny_dir, dtype=dtype, generic_path=True)
     assert type(worker.attention) is TorchBackend
-    assert not worker.sampler.own_argmax and worker.q4_linears == 0
+    assert worker.sampler.argmax == "torch" and worker.q4_linears == 0
+    assert {worker.plan.norm, worker.plan.activation, worker.plan.rotary} == {"torch"}
     linears = [module for module in worker.model.modules() if isinstance(module, Linear)]
-    assert linears and all(linear.packed is None for linear in linears)
+    assert linears and all(linear.method is DENSE for linear in linears)
     (request,) = Driver(worker).run(greedy_requests(PROMPTS[:1], 4))
     assert len(request.output) == 4 and torch.stack(request.logits).isfinite().all()
 

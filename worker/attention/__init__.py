@@ -3,62 +3,62 @@
 - ``base``: ``AttentionBackend``, the operations a backend provides;
 - ``metadata``: ``AttentionMetadata``, ``DecodeRows`` and ``PrefillSpan``, built once per step;
 - ``torch_backend``: ``TorchBackend``, plain torch (what CUDA runs, and the generic path);
-- ``cpu_kernel``: ``CpuKernelBackend``, CPU decodes in nanoserve's own operators.
+- ``cpu_bf16``: ``CpuBf16Backend``, bfloat16 in nanoserve's own CPU operators;
+- ``cpu_f32``: ``CpuF32Backend``, float32 (over a float32 or float16 pool) in its AVX2 ones.
 
-The worker calls ``select_backend`` once, at start; nothing else asks which backend it has.
+The worker calls ``make_backend`` once, at start, with its plan's choice (``worker.plan``);
+nothing else asks which backend it has.
 """
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable
 
 import torch
 
 from worker.attention.base import AttentionBackend
-from worker.attention.cpu_kernel import CpuKernelBackend
+from worker.attention.cpu_bf16 import CpuBf16Backend
+from worker.attention.cpu_f32 import CpuF32Backend
 from worker.attention.metadata import AttentionMetadata, DecodeRows, PrefillSpan
 from worker.attention.torch_backend import TorchBackend
 
 __all__ = [
+    "BACKENDS",
     "AttentionBackend",
     "AttentionMetadata",
-    "CpuKernelBackend",
+    "CpuBf16Backend",
+    "CpuF32Backend",
     "DecodeRows",
     "PrefillSpan",
     "TorchBackend",
-    "select_backend",
+    "make_backend",
 ]
 
-log = logging.getLogger(__name__)
+# The plan's attention choices (``Plan.attention``) -> what builds them from the geometry and
+# whether prefills take the backend's own kernel (``Plan.prefill``).
+BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
+    "torch": lambda prefill_kernel, **geometry: TorchBackend(**geometry),
+    "cpu-bf16": CpuBf16Backend,
+    "cpu-f32": CpuF32Backend,
+}
 
 
-def select_backend(
+def make_backend(
+    plan,
     *,
     n_heads: int,
     n_kv_heads: int,
     head_dim: int,
     block_size: int,
-    dtype: torch.dtype,
-    device: str,
-    kv_dtype: torch.dtype | None = None,
-    generic: bool = False,
 ) -> AttentionBackend:
-    """The backend for this model's heads, computing in ``dtype`` over a pool of ``kv_dtype``
-    (default: ``dtype``) on ``device``: nanoserve's CPU kernel where it serves them, else torch;
-    always torch when ``generic``. May build the kernel (``worker.cpu.kernels``)."""
-    kv_dtype = kv_dtype or dtype
+    """The backend a ``worker.plan.Plan`` names, for this shard's heads and the pool's blocks."""
     geometry = dict(
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
         block_size=block_size,
-        dtype=dtype,
-        kv_dtype=kv_dtype,
-        device=device,
+        dtype=getattr(torch, plan.dtype),
+        kv_dtype=getattr(torch, plan.kv_dtype),
+        device=plan.device,
     )
-    own = not generic and CpuKernelBackend.supports(dtype, device, head_dim, n_heads, n_kv_heads)
-    if kv_dtype != dtype and not (own and dtype == torch.float32 and kv_dtype == torch.float16):
-        raise ValueError(f"no attention backend computes in {dtype} over a {kv_dtype} pool")
-    backend = CpuKernelBackend(**geometry) if own else TorchBackend(**geometry)
-    log.info("attention: the %s backend, for a %s pool on %s", backend.name, kv_dtype, device)
-    return backend
+    return BACKENDS[plan.attention](prefill_kernel=plan.prefill == "kernel", **geometry)

@@ -1,6 +1,6 @@
 """``AttentionBackend``: the operations every attention implementation provides.
 
-A backend is chosen once, when the worker starts (``worker.attention.select_backend``). The
+A backend is chosen once, by the worker's plan (``worker.attention.make_backend``). The
 model and the compiled decode step call it and never ask which one they have:
 
 - ``metadata``: once per eager step, what every layer reads (``AttentionMetadata``);

@@ -34,23 +34,27 @@ import torch
 
 from models.files import cache_root
 from worker.config import WorkerConfig
+from worker.plan import Plan
 
 log = logging.getLogger("nanoserve.worker")
 
-# The modules whose code the compiled graph traces (parallel.py: the one rank's all_reduce),
-# and cpu_weights.py, which decides what its linears call: a change to any invalidates the
+# The modules whose code the compiled graph traces (parallel/group.py: the one rank's
+# all_reduce; the linear methods the plan gives the layers): a change to any invalidates the
 # cache. tests/worker/test_compiled.py checks that no traced worker file is missing.
 _TRACED = (
     "compiled/decode.py",
     "model/llama.py",
-    "linear/base.py",
-    "linear/layouts.py",
+    "model/ops.py",
     "model/rope.py",
+    "linear/base.py",
+    "linear/dense.py",
+    "linear/four_bit.py",
     "parallel/group.py",
     "attention/base.py",
     "attention/metadata.py",
     "attention/torch_backend.py",
-    "attention/cpu_kernel.py",
+    "attention/cpu_bf16.py",
+    "attention/cpu_f32.py",
 )
 _MARKER = "compiled.ok"
 WORKER = Path(__file__).resolve().parents[1]  # the worker package, where _TRACED lie
@@ -58,10 +62,11 @@ WORKER = Path(__file__).resolve().parents[1]  # the worker package, where _TRACE
 STEP_SWITCH_INTERVAL = 50e-6
 
 
-def compile_dir(config: WorkerConfig, model_id: str, threads: int) -> Path:
-    """Where the compiled graphs of a worker on ``threads`` threads are cached (see the module
-    docstring). The worker's full count, not the one of the moment: beside a neighbour it runs
-    the same graphs on one thread."""
+def compile_dir(config: WorkerConfig, plan: Plan, model_id: str) -> Path:
+    """Where the compiled graphs of a worker running ``plan`` are cached (see the module
+    docstring). The plan names the dtypes, every linear's method and the thread count (the
+    worker's full count, not the one of the moment: beside a neighbour it runs the same graphs
+    on one thread)."""
     source = hashlib.sha256()
     for name in _TRACED:
         source.update((WORKER / name).read_bytes())
@@ -72,16 +77,17 @@ def compile_dir(config: WorkerConfig, model_id: str, threads: int) -> Path:
         # kernel in the worker's own thread (136 s) behind a marker that said "warm".
         str(Path(torch.__file__).resolve().parent),
         model_id,
-        config.resolved_dtype,
+        # Every choice the graph traces, the thread count among them (inductor splits loops
+        # for it when it generates kernels).
+        plan.to_json(),
         config.kv_cache_dtype,
         str(config.q4_max_tokens),
         str(config.w4a8),
         str(config.block_size),
-        str(threads),  # inductor splits loops for it when it generates kernels
         source.hexdigest()[:12],
     )
     key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-    return cache_root() / "inductor" / f"{model_id}-{config.resolved_dtype}-{key}"
+    return cache_root() / "inductor" / f"{model_id}-{plan.dtype}-{key}"
 
 
 class BackgroundCompile:
@@ -147,7 +153,7 @@ class BackgroundCompile:
         # The child runs the worker's thread count: inductor splits loops for it when it
         # generates kernels and keys its cache by it, so graphs compiled on another count miss
         # the cache and the worker would compile them all over again, in its own process.
-        threads = self.worker.num_threads
+        threads = self.worker.plan.threads
         config = dataclasses.replace(
             self.worker.config,
             num_blocks=64,  # the graphs do not depend on the pool's size
@@ -156,7 +162,8 @@ class BackgroundCompile:
             num_threads=threads,
             compile=True,
         )
-        settings = json.dumps(dataclasses.asdict(config))
+        # The child runs this worker's plan, not one it resolves for itself.
+        settings = json.dumps([dataclasses.asdict(config), self.worker.plan.to_json()])
         env = dict(
             os.environ, TORCHINDUCTOR_CACHE_DIR=str(self.directory), OMP_NUM_THREADS=str(threads)
         )
@@ -190,38 +197,13 @@ def step_first(job: BackgroundCompile | None) -> Iterator[None]:
         sys.setswitchinterval(previous)
 
 
-def torch_version() -> tuple[int, int]:
-    """torch's (major, minor)."""
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
-def wants_compile(worker) -> bool:
-    """Explicitly asked, or by default where it pays: CPU, off the generic path, on a torch
-    that compiles this graph."""
-    if worker.config.compile is not None:
-        return worker.config.compile
-    return (
-        worker.device == "cpu"
-        and worker.group.size == 1  # tensor-parallel steps run eagerly
-        and not worker.config.generic_path
-        and torch_version() >= (2, 13)
-    )
-
-
 def start_compile(worker, background: bool) -> tuple[object | None, BackgroundCompile | None]:
     """The worker's compiled decode step now (``background`` False: compiled or loaded before
     this returns), or a started ``BackgroundCompile`` that builds it while the worker serves:
     (compiled, job), one of them None."""
     from worker.compiled.decode import CompiledDecode
 
-    if worker.device != "cpu":
-        raise ValueError(f"compile runs on CPU only, not on {worker.device}")
-    if worker.group.size > 1:
-        raise ValueError("compile runs one rank only: tensor-parallel steps run eagerly")
-    if torch_version() < (2, 13):
-        raise ValueError(f"compile needs torch >= 2.13, this is {torch.__version__}")
-    directory = compile_dir(worker.config, worker.files.model_id, worker.num_threads)
+    directory = compile_dir(worker.config, worker.plan, worker.files.model_id)
     use_cache_dir(directory)
     if background:
         job = BackgroundCompile(worker, directory)
@@ -260,8 +242,9 @@ def _compile_only(settings: str) -> int:
     """The child: build a worker with the given config, compile its graphs, exit."""
     from worker.worker import Worker
 
-    config = WorkerConfig(**json.loads(settings))
-    Worker(config, progress=False)  # compile=True: warm_up runs in the constructor
+    config, plan = json.loads(settings)
+    # The plan's compile is "inductor": warm_up runs in the constructor.
+    Worker(WorkerConfig(**config), progress=False, plan=Plan.from_json(plan))
     return 0
 
 

@@ -30,6 +30,7 @@ import torch
 from worker.attention import AttentionBackend, AttentionMetadata, DecodeRows
 from worker.kv.cache import KVCache
 from worker.model.llama import LlamaModel
+from worker.model.ops import TRACED
 from worker.model.rope import rotary_cos_sin
 
 # Decode-only steps of at most this many rows (padding included) run compiled: up to it the
@@ -150,17 +151,18 @@ def _decode_graph(model, decode, layers, input_ids, cos, sin, blocks, cached):
     x = model.model.embed_tokens(input_ids)  # (B, hidden)
     new_kv = []
     for index, layer in enumerate(model.model.layers):
-        x, kv = _decoder_layer(layer, decode, x, cos, sin, layers[index], *rows)
+        x, kv = _decoder_layer(layer, decode, TRACED, x, cos, sin, layers[index], *rows)
         new_kv.append(kv)
-    return model.model.norm(x), torch.stack(new_kv).to(layers.dtype)
+    return model.model.norm(x, TRACED), torch.stack(new_kv).to(layers.dtype)
 
 
 @torch.compiler.nested_compile_region
-def _decoder_layer(layer, decode, x, cos, sin, cache_layer, *rows):
-    """One layer of the traced step: x (B, hidden) -> (B, hidden), and its new K/V (B, 2, n_kv,
-    hd). Dynamo traces it once and reuses that trace for each later layer whose inputs match
-    (it checks; the weights are inputs, not part of the trace) instead of tracing every layer
-    again; the graph is flattened before inductor sees it (``warm_up``)."""
+def _decoder_layer(layer, decode, ops, x, cos, sin, cache_layer, *rows):
+    """One layer of the traced step, with torch's pointwise ops (``ModelOps``' ``TRACED``, which
+    inductor fuses): x (B, hidden) -> (B, hidden), and its new K/V (B, 2, n_kv, hd). Dynamo
+    traces it once and reuses that trace for each later layer whose inputs match (it checks;
+    the weights are inputs, not part of the trace) instead of tracing every layer again; the
+    graph is flattened before inductor sees it (``warm_up``)."""
     rows = DecodeRows(*rows)
     new_kv = []
 
@@ -168,7 +170,7 @@ def _decoder_layer(layer, decode, x, cos, sin, cache_layer, *rows):
         new_kv.append(kv)
         return decode(q, kv, cache_layer, rows)
 
-    x = layer(x, cos, sin, attend)
+    x = layer(x, cos, sin, attend, ops)
     return x, new_kv[0]
 
 

@@ -1,57 +1,26 @@
 """nanoserve's own CPU kernels (``csrc/``), built when a CPU worker starts and loaded as torch
-operators.
+operators (``torch.ops.nanoserve.*``). The worker's plan (``worker.plan``) decides which run.
 
-``torch.ops.nanoserve.decode_attention``: one decode query per row over its paged bfloat16
-K/V, read in place (see ``csrc/decode_attention.cpp``). The CPU-kernel attention backend
-(``worker.attention.cpu_kernel``) decodes with it, eager and compiled, instead of a gather, two
-matmuls and a softmax.
+- AVX-512 (``SOURCES``): ``decode_attention`` (bfloat16 decodes reading their blocks in place),
+  ``rms_norm``, ``silu_mul`` and ``rotary_`` (the eager bfloat16 pointwise ops in one pass each)
+  and ``argmax`` (the sampler's greedy choice, vectorized).
+- AVX512-BF16 (``BF16_SOURCES``): ``prefill_attention``; ``q4_linear`` (a few bfloat16 rows times
+  a GGUF 4-bit matrix); ``gguf_linear`` (that, or the bigger steps' method, chosen by the rows in
+  C++ so a compiled graph does not branch); with AVX512-VNNI (``VNNI_SOURCES``) ``w4a8_linear``
+  (many rows quantized to 8 bits times the 4-bit integers, llama.cpp's numerics).
+- AVX2, FMA and F16C (``AVX2_SOURCES``, built everywhere they exist): ``decode_attention_f32``
+  and ``prefill_attention_f32`` (float32 over a float32 or float16 pool), ``q4a8_linear_f32``
+  (float32 rows quantized to 8 bits times the 4-bit integers), ``rms_norm_f32`` and
+  ``silu_mul_f32``.
 
-``torch.ops.nanoserve.prefill_attention``: one prefill span's causal attention over its paged
-bfloat16 K/V (see ``csrc/prefill_attention.cpp``); the same backend's prefills, where the CPU has
-AVX512-BF16 (built only there, as ``q4_linear``), instead of SDPA's flash kernel (4 to 5 times
-slower on these heads).
-
-``torch.ops.nanoserve.q4_linear``: a few bfloat16 rows times a GGUF 4-bit matrix, where the CPU
-has AVX512-BF16 (see ``csrc/q4_linear.cpp``); the small steps' linears (``worker.linear.base``),
-instead of torch's int4 kernel (about half as fast here).
-
-``torch.ops.nanoserve.w4a8_linear``: many bfloat16 rows, quantized to 8 bits in groups of 32,
-times a GGUF 4-bit matrix, where the CPU has AVX512-BF16 and AVX512-VNNI (see
-``csrc/w4a8_linear.cpp``); the big steps' linears, instead of oneDNN's bfloat16 matmuls.
-
-``torch.ops.nanoserve.gguf_linear``: a GGUF 4-bit matrix's linear at any row count, choosing
-``q4_linear``, ``w4a8_linear`` or oneDNN's matmul by the rows at run time
-(``csrc/gguf_linear.cpp``), so a compiled graph does not branch on its batch size.
-
-``torch.ops.nanoserve.rms_norm``: F.rms_norm over bfloat16 rows in one pass (``csrc/rms_norm.cpp``);
-the eager steps' norms, where torch composes it of a float32 copy and five other operators.
-``torch.ops.nanoserve.silu_mul``: the MLP's silu(gate) * up in one pass (``csrc/silu_mul.cpp``).
-``torch.ops.nanoserve.rotary_``: the eager steps' rotary embeddings, q and k rotated in place in
-one pass (``csrc/rotary.cpp``), where torch takes a roll, two multiplies and an add.
-
-``torch.ops.nanoserve.argmax``: torch.argmax over float32 rows, vectorized (``csrc/argmax.cpp``);
-the sampler's greedy choices.
-
-``torch.ops.nanoserve.decode_attention_f32``: ``decode_attention`` over a float32 pool, in AVX2
-and FMA (``csrc/decode_attention_f32.cpp``): the float32 decodes of the same backend.
-``torch.ops.nanoserve.prefill_attention_f32``: causal attention of a float32 prefill span over
-its own K/V or its gathered blocks (``csrc/prefill_attention_f32.cpp``): that backend's float32
-prefills.
-``torch.ops.nanoserve.q4a8_linear_f32``: float32 rows, quantized to 8 bits in groups of 32, times
-``pack_q4a8``'s 4-bit matrix, in AVX2 (``csrc/q4a8_linear_f32.cpp``): the linears of the float32
-that ``auto`` picks on a CPU without native bfloat16. ``torch.ops.nanoserve.rms_norm_f32`` and
-``silu_mul_f32``: that float32's eager norms and SwiGLU activation in one pass each, in AVX2
-(``csrc/pointwise_f32.cpp``). These five are the operators built on a CPU with AVX2 but not
-AVX-512 (``loaded()`` without ``available()``).
+Each source's header says what it computes and why it beats torch's operator there.
 
 The sources compile with ``torch.utils.cpp_extension`` into nanoserve's cache directory, in a
 directory named by the torch version and a hash of the sources, flags and torch's build, and
 load from there afterwards without ninja: a changed source, header, flag or torch build builds
 anew, and every checkout and virtual environment with the same sources and the same torch
-shares one build. On a CPU without AVX-512, or where the build fails,
-``available()`` is False and callers keep their torch code; on one with AVX2, FMA and F16C,
-``loaded()`` may still be True (``AVX2_SOURCES``: the float32 attention and the 4-bit x 8-bit
-linear).
+shares one build. On a CPU without AVX-512, or where the build fails, ``available()`` is False;
+on one with AVX2, FMA and F16C, ``loaded()`` may still be True (the AVX2 operators alone).
 """
 
 from __future__ import annotations
@@ -62,9 +31,12 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
+
+from worker.cpu.fakes import register_fakes
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +177,7 @@ def _load() -> Path:
             torch.ops.load_library(str(library))
         else:
             _build(build, sources, flags)
-    _register_fakes()
+    register_fakes(cpu_supports(), uses_bf16(), uses_vnni())
     return build
 
 
@@ -224,6 +196,9 @@ def _build(build: Path, sources: list[Path], flags: list[str]) -> None:
         (build / "lock").unlink()
     copies = _copy_sources(build / "src", sources)
     _copy_sources(build / "src", HEADERS)  # included by the sources, not listed
+    # A first start spends a minute here (two cores): say so, or the worker looks hung.
+    log.info("kernels: building %d C++ sources for this CPU in %s", len(sources), build)
+    began = time.perf_counter()
     cpp_extension.load(
         name="nanoserve_kernels",
         sources=[str(copy) for copy in copies],
@@ -234,6 +209,7 @@ def _build(build: Path, sources: list[Path], flags: list[str]) -> None:
         verbose=False,
     )
     (build / BUILT).write_text(f"built against {torch_dir()}\n")
+    log.info("kernels: built in %.1f s", time.perf_counter() - began)
 
 
 def build_dir() -> Path:
@@ -303,63 +279,3 @@ def _copy_sources(directory: Path, paths: list[Path]) -> list[Path]:
             partial.replace(copy)
         copies.append(copy)
     return copies
-
-
-@functools.cache
-def _register_fakes() -> None:
-    """Output shapes for tracing (``torch.compile``)."""
-
-    @torch.library.register_fake("nanoserve::decode_attention_f32")
-    def _(q, kv, layer, blocks, cached, block_size):
-        return q.new_empty(q.shape)
-
-    @torch.library.register_fake("nanoserve::rms_norm_f32")
-    def _(x, weight, eps):
-        return x.new_empty(x.shape)
-
-    @torch.library.register_fake("nanoserve::silu_mul_f32")
-    def _(gate_up):
-        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-
-    @torch.library.register_fake("nanoserve::q4a8_linear_f32")
-    def _(x, packed, scale, low):
-        return x.new_empty(x.shape[0], packed.shape[0] * 16)
-
-    if not cpu_supports():
-        return
-
-    @torch.library.register_fake("nanoserve::decode_attention")
-    def _(q, kv, layer, blocks, cached, block_size):
-        return q.new_empty(q.shape)
-
-    if uses_bf16():
-
-        @torch.library.register_fake("nanoserve::prefill_attention")
-        def _(q, layer, blocks, start, block_size):
-            return q.new_empty(q.shape)
-
-        @torch.library.register_fake("nanoserve::q4_linear")
-        def _(x, packed, scale, low):
-            return x.new_empty(x.shape[0], packed.shape[0] * 16)
-
-        @torch.library.register_fake("nanoserve::gguf_linear")
-        def _(x, q4, scale, low, w4a8, onednn, bias, max_rows, out_features):
-            return x.new_empty(x.shape[0], out_features)
-
-    if uses_vnni():
-
-        @torch.library.register_fake("nanoserve::w4a8_linear")
-        def _(x, packed, scale, low):
-            return x.new_empty(x.shape[0], packed.shape[0] * 16)
-
-    @torch.library.register_fake("nanoserve::rms_norm")
-    def _(x, weight, eps):
-        return x.new_empty(x.shape)
-
-    @torch.library.register_fake("nanoserve::silu_mul")
-    def _(gate_up):
-        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-
-    @torch.library.register_fake("nanoserve::argmax")
-    def _(x):
-        return x.new_empty(x.shape[0], dtype=torch.long)

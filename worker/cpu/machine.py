@@ -1,4 +1,4 @@
-"""What the machine lends the worker: the CPUs it may really use, and memory for the KV pool.
+"""What the machine lends the worker: the CPUs it may really use, and its available memory.
 
 CPUs: the affinity mask, capped by the cgroup's CPU quota. ``os.cpu_count()`` counts the
 machine's CPUs, which a container or a ``taskset`` may deny the worker; more threads than usable
@@ -41,20 +41,6 @@ def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     except (OSError, ValueError):
         return None
     return quota / period if quota > 0 and period > 0 else None
-
-
-_CPU_BUDGET_CAP = 4 << 30
-
-
-def default_kv_budget(device: str) -> int:
-    """The KV pool's bytes when none is given. CUDA: 80% of free GPU memory (weights already
-    loaded). CPU: a quarter of available RAM, at most 4 GiB."""
-    if device == "cuda":
-        import torch
-
-        free, _ = torch.cuda.mem_get_info()
-        return int(free * 0.8)
-    return min(available_ram() // 4, _CPU_BUDGET_CAP)
 
 
 def available_ram() -> int:

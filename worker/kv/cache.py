@@ -20,7 +20,20 @@ from collections.abc import Callable
 import torch
 
 from protocol.blocks import blocks_for
+from worker.cpu.machine import available_ram
 from worker.kv.host_pool import HostPool
+
+_HOST_BUDGET_CAP = 4 << 30
+
+
+def default_budget(pool: str) -> int:
+    """The pool's bytes when none is given, by the plan's ``kv_pool``: "device", 80% of the
+    GPU's free memory (weights already loaded); "host", a quarter of available RAM, at most
+    4 GiB."""
+    if pool == "device":
+        free, _ = torch.cuda.mem_get_info()
+        return int(free * 0.8)
+    return min(available_ram() // 4, _HOST_BUDGET_CAP)
 
 
 class KVCache:
@@ -36,6 +49,7 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: str,
+        pool: str = "host",
     ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -43,14 +57,16 @@ class KVCache:
         self.trash_block = num_blocks  # the one block past the ledger's
         shape = (num_layers, 2, n_kv_heads, num_blocks + 1, block_size, head_dim)
         # Zero from the start: a padded read of a block nothing wrote yet must see finite
-        # numbers. On the CPU the pages are backed behind serving (worker.kv.host_pool); on a
-        # device, zeroed now.
+        # numbers. The plan's ``kv_pool``: "host", mapped pages, backed behind serving
+        # (worker.kv.host_pool); "device", zeroed now.
         self.host: HostPool | None = None
-        if torch.device(device).type == "cpu":
+        if pool == "host":
             self.host = HostPool(shape, block_axis=3, dtype=dtype)
             self.pool = self.host.tensor
-        else:
+        elif pool == "device":
             self.pool = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            raise ValueError(f"no K/V pool kind {pool!r}")
         flat = (num_layers, 2, n_kv_heads, (num_blocks + 1) * block_size, head_dim)
         self._flat = self.pool.view(flat)
         self._scratch: dict[str, torch.Tensor] = {}

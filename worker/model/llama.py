@@ -18,13 +18,13 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.attention import AttentionBackend, AttentionMetadata
 from worker.kv.cache import KVCache
 from worker.linear.base import Linear
-from worker.model.rope import apply_rotary, inverse_frequencies, rope_parameters, rotary_cos_sin
+from worker.model.ops import EAGER_TORCH, ModelOps
+from worker.model.rope import inverse_frequencies, rope_parameters, rotary_cos_sin
 from worker.parallel.group import SOLO, Group
 from worker.parallel.sharding import Shard
 
@@ -80,42 +80,16 @@ class ModelSpec:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight in one fused op. In float32 it equals transformers' formula bit for
-    bit; in bfloat16 it rounds once at the end, where transformers rounds before the weight.
-
-    With ``kernel`` set (the worker sets it where ``worker.cpu.kernels`` runs), eager bfloat16 steps
-    take ``torch.ops.nanoserve.rms_norm``: the same formula in one pass, where eager torch runs
-    six operators; with ``kernel_f32`` (``auto``'s float32, not the exact path), eager float32
-    steps take ``torch.ops.nanoserve.rms_norm_f32`` (AVX2, sums in another order). Compiled
-    graphs keep ``F.rms_norm``, which inductor fuses with its
-    neighbours. Dynamo's own flag tells them apart: torch sets ``is_compiling()`` process-wide for
-    a whole compile session, so while a background thread loads the graphs, the stepping
-    thread's eager steps would read it too and leave the kernels."""
-
-    kernel = False
-    kernel_f32 = False
+    """RMSNorm's weight; the norm itself is the plan's (``ModelOps.rms_norm``). Qwen3's q/k
+    norms (3-D inputs) always take torch's."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            self.kernel
-            and x.dtype == torch.bfloat16 == self.weight.dtype
-            and x.dim() == 2
-            and not torch.compiler.is_dynamo_compiling()
-        ):
-            return torch.ops.nanoserve.rms_norm(x, self.weight, self.eps)
-        if (
-            self.kernel_f32
-            and x.dtype == torch.float32 == self.weight.dtype
-            and x.dim() == 2
-            and not torch.compiler.is_dynamo_compiling()
-        ):
-            return torch.ops.nanoserve.rms_norm_f32(x, self.weight, self.eps)
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, ops: ModelOps = EAGER_TORCH) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -123,12 +97,9 @@ class Attention(nn.Module):
 
     Loads as transformers' q/k/v_proj, then ``fuse`` concatenates them into one (q|k|v)
     matrix: one matmul instead of three, and one rotary call for q and k together. It holds
-    the shard's heads only; o_proj's partial sums are all-reduced over the group. With
-    ``kernel`` set, eager bfloat16 steps rotate with ``torch.ops.nanoserve.rotary_`` (one pass,
-    torch's roundings; ``RMSNorm`` says when).
+    the shard's heads only; o_proj's partial sums are all-reduced over the group. q and k are
+    rotated with the plan's ``ModelOps.rotary_``.
     """
-
-    kernel = False
 
     def __init__(self, spec: ModelSpec, shard: Shard, group: Group) -> None:
         super().__init__()
@@ -150,7 +121,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear.of(torch.cat([p.weight for p in parts]), bias)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, cos, sin, attend: Attend):
+    def forward(self, x, cos, sin, attend: Attend, ops: ModelOps):
         tokens, nq, nkv = x.shape[0], self.n_heads, self.n_kv
         qkv = self.qkv_proj(x)  # (T, (nq + 2 * nkv) * hd)
         qkv = qkv.view(tokens, nq + 2 * nkv, self.head_dim)
@@ -158,25 +129,16 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             qkv[:, :nq] = self.q_norm(qkv[:, :nq])
             qkv[:, nq : nq + nkv] = self.k_norm(qkv[:, nq : nq + nkv])
-        # Rotated in place, so k and v stay side by side in qkv: one cache write for both.
-        if self.kernel and qk.dtype == torch.bfloat16 and not torch.compiler.is_dynamo_compiling():
-            torch.ops.nanoserve.rotary_(qk, cos, sin)
-        else:
-            apply_rotary(qk, cos, sin, out=qk)
+        ops.rotary_(qk, cos, sin)  # in place: k and v stay side by side, one cache write
         kv = qkv[:, nq:].view(tokens, 2, nkv, self.head_dim)
         out = attend(qkv[:, :nq], kv)  # (T, nq, hd)
         return self.group.all_reduce(self.o_proj(out.reshape(tokens, nq * self.head_dim)))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); ``fuse`` makes gate and up one matmul. It holds the
-    shard's intermediate features; down_proj's partial sums are all-reduced over the group.
-    With ``kernel`` set, eager bfloat16 steps take ``torch.ops.nanoserve.silu_mul`` (one pass,
-    torch's roundings) for the activation (``RMSNorm`` says when); with ``kernel_f32``, eager
-    float32 steps take ``torch.ops.nanoserve.silu_mul_f32`` (AVX2)."""
-
-    kernel = False
-    kernel_f32 = False
+    """SwiGLU: down(silu(gate(x)) * up(x)), the activation the plan's
+    (``ModelOps.silu_mul``); ``fuse`` makes gate and up one matmul. It holds the shard's
+    intermediate features; down_proj's partial sums are all-reduced over the group."""
 
     def __init__(self, spec: ModelSpec, shard: Shard, group: Group) -> None:
         super().__init__()
@@ -193,23 +155,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear.of(torch.cat((gate.weight, up.weight)), bias)
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: ModelOps) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 * local intermediate)
-        if (
-            self.kernel
-            and gate_up.dtype == torch.bfloat16
-            and not torch.compiler.is_dynamo_compiling()
-        ):
-            return self.group.all_reduce(self.down_proj(torch.ops.nanoserve.silu_mul(gate_up)))
-        if (
-            self.kernel_f32
-            and gate_up.dtype == torch.float32
-            and not torch.compiler.is_dynamo_compiling()
-        ):
-            activation = torch.ops.nanoserve.silu_mul_f32(gate_up)
-            return self.group.all_reduce(self.down_proj(activation))
-        gate, up = gate_up.chunk(2, dim=-1)  # (T, local intermediate) each
-        return self.group.all_reduce(self.down_proj(F.silu(gate, inplace=True).mul_(up)))
+        return self.group.all_reduce(self.down_proj(ops.silu_mul(gate_up)))
 
 
 class DecoderLayer(nn.Module):
@@ -222,10 +170,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec, shard, group)
 
-    def forward(self, x, cos, sin, attend: Attend):
+    def forward(self, x, cos, sin, attend: Attend, ops: ModelOps):
         # Residuals added in place into the fresh sublayer outputs (a + b == b + a exactly).
-        x = self.self_attn(self.input_layernorm(x), cos, sin, attend).add_(x)
-        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+        x = self.self_attn(self.input_layernorm(x, ops), cos, sin, attend, ops).add_(x)
+        return self.mlp(self.post_attention_layernorm(x, ops), ops).add_(x)
 
 
 class LlamaBody(nn.Module):
@@ -282,15 +230,17 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         cache: KVCache,
         attention: AttentionBackend,
+        ops: ModelOps = EAGER_TORCH,
     ) -> torch.Tensor:
-        """input_ids, positions (T,) -> hidden states (T, hidden), K/V written into ``cache``."""
+        """input_ids, positions (T,) -> hidden states (T, hidden), K/V written into ``cache``;
+        the pointwise ops are ``ops`` (the plan's)."""
         x = self.embed(input_ids)  # (T, hidden)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)  # (T, 1, hd) each
         attends = [
             partial(attention.forward, layer=cache.layer(index), meta=meta, scratch=cache.scratch)
             for index in range(self.spec.num_layers)
         ]
-        return self.run_layers(x, cos, sin, attends)
+        return self.run_layers(x, cos, sin, attends, ops)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (T,) -> embeddings (T, hidden). Split by vocabulary, each rank embeds the
@@ -304,12 +254,12 @@ class LlamaModel(nn.Module):
         x = self.model.embed_tokens(local.masked_fill(outside, 0))
         return self.group.all_reduce(x.masked_fill_(outside[:, None], 0.0))
 
-    def run_layers(self, x, cos, sin, attends: list[Attend]) -> torch.Tensor:
+    def run_layers(self, x, cos, sin, attends: list[Attend], ops: ModelOps) -> torch.Tensor:
         """Embedded tokens x (T, hidden) and their rotary cos/sin (T, 1, hd) -> final hidden
         states (T, hidden); layer i's attention is ``attends[i]``."""
         for layer, attend in zip(self.model.layers, attends, strict=True):
-            x = layer(x, cos, sin, attend)
-        return self.model.norm(x)
+            x = layer(x, cos, sin, attend, ops)
+        return self.model.norm(x, ops)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, hidden) -> float32 (S, vocab), or (S, range) of the shard's vocabulary range

@@ -76,7 +76,4 @@ def apply_rotary(
     is exact, so the result is the same bit for bit.
     """
     rolled = x.roll(x.shape[-1] // 2, dims=-1)
-    if out is not None and torch.compiler.is_dynamo_compiling():
-        # Dynamo refuses ``out=`` on a strided view; in a compiled graph the copy fuses away.
-        return out.copy_(x * cos + rolled * sin)
     return torch.add(x * cos, rolled * sin, out=out)

@@ -88,11 +88,12 @@ def run_ranks(
     follows it. ``child(rank, port)`` is the command and environment of a local rank's process."""
 
     from worker.parallel.group import DistributedGroup
+    from worker.plan import resolve_device
 
     rank, local = parallel.local_ranks[0], parallel.local_ranks
     # A rank started by its host's first rank runs alone in its process, but shares the host.
     local_size = int(os.environ.get("NANOSERVE_TP_LOCAL_SIZE", len(local)))
-    device = config.resolved_device
+    device = resolve_device(config)
     if len(local) > 1:  # before any rank starts: refuse a size that does not fit, convert once
         check_fits(config, parallel.size)
     store = _store(parallel, rank)
@@ -119,13 +120,12 @@ def run_ranks(
 def _join(parallel: ParallelConfig, rank: int, store: TCPStore, device: str) -> None:
     """Join the process group: NCCL on this host's GPU of this rank, else gloo (on loopback
     when every rank is here)."""
-    import torch
     import torch.distributed as dist
 
-    backend = "nccl" if device == "cuda" else "gloo"
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("NANOSERVE_TP_DEVICE_INDEX", "0")))
-    elif parallel.master_addr in ("127.0.0.1", "localhost"):
+    from worker.plan import collective_backend
+
+    backend = collective_backend(device, int(os.environ.get("NANOSERVE_TP_DEVICE_INDEX", "0")))
+    if backend == "gloo" and parallel.master_addr in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = timedelta(seconds=max(COLLECTIVE_TIMEOUT_S, parallel.connect_timeout_s))
     dist.init_process_group(

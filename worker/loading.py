@@ -1,0 +1,114 @@
+"""Everything a ``Worker`` is built from, loaded once at start: the model on its device with
+its plan applied (``load``), and its KV pool (``make_cache``).
+
+The plan is resolved between loading the checkpoint and giving each linear its method: it needs
+the shard's heads and what the file holds in 4 bits (``worker.linear.build.q4_facts``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.files import ModelFiles, resolve_model
+from worker.config import WorkerConfig, resolve_max_model_len
+from worker.kv.cache import KVCache, default_budget
+from worker.linear.build import apply_plan, q4_facts
+from worker.model.llama import LlamaModel, ModelSpec
+from worker.model.loader import load_checkpoint, load_q4
+from worker.parallel.group import Group
+from worker.parallel.sharding import Shard
+from worker.plan import Plan, resolve, resolve_device, resolve_dtype, resolve_threads, wants_4bit
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A loaded model and the plan it runs."""
+
+    files: ModelFiles
+    spec: ModelSpec
+    shard: Shard
+    model: LlamaModel
+    plan: Plan
+    eos_token_ids: list[int]
+    max_model_len: int
+    q4_linears: int  # linears that run on the file's 4-bit matrices
+
+
+def load(config: WorkerConfig, group: Group, plan: Plan | None, progress: bool) -> Loaded:
+    """Load ``config``'s model for this rank of ``group``; the plan is ``plan`` if given (tests
+    change one to see what it changes), else resolved for this machine."""
+    files = resolve_model(config.model)
+    if plan is not None:
+        plan.load_kernels()
+    device = plan.device if plan else resolve_device(config)
+    dtype = plan.dtype if plan else resolve_dtype(config, device)
+    # Loading is faster on every thread it may use (the plan's count, known before the plan).
+    torch.set_num_threads(plan.threads if plan else resolve_threads(config, group.local_size))
+
+    def shard_of(model_config) -> Shard | None:
+        """What this rank reads of every tensor (None: all of it); ValueError for a group size
+        that does not split the model's heads."""
+        if group.size == 1:
+            return None
+        return Shard.of(ModelSpec.from_config(model_config), group.rank, group.size)
+
+    checkpoint = load_checkpoint(files, getattr(torch, dtype), progress, shard_of)
+    spec = ModelSpec.from_config(checkpoint.config)
+    shard = Shard.of(spec, group.rank, group.size)
+    with torch.device("meta"):
+        model = LlamaModel(spec, shard, group)
+    model.load_weights(checkpoint.weights)
+    model = model.to(device).eval()
+    q4 = {}
+    if files.gguf_file is not None and wants_4bit(config, device, dtype, group.size):
+        model_type = checkpoint.config.model_type
+        q4 = load_q4(files, model_type, spec.n_heads, spec.n_kv_heads)
+    plan = plan or resolve(
+        config,
+        device=device,
+        dtype=dtype,
+        head_dim=spec.head_dim,
+        n_heads=shard.local_heads,
+        n_kv_heads=shard.local_kv_heads,
+        q4=q4_facts(model, q4),
+        group_size=group.size,
+        local_size=group.local_size,
+    )
+    q4_linears = apply_plan(model, plan, q4)
+    return Loaded(
+        files=files,
+        spec=spec,
+        shard=shard,
+        model=model,
+        plan=plan,
+        eos_token_ids=checkpoint.eos_token_ids,
+        max_model_len=resolve_max_model_len(config, checkpoint.config),
+        q4_linears=q4_linears,
+    )
+
+
+def make_cache(config: WorkerConfig, loaded: Loaded, group: Group) -> KVCache:
+    """The K/V pool: ``config.num_blocks``, or as many blocks as the budget holds
+    (``--kv-cache-memory``, else the plan's pool's default), the same count on every rank."""
+    spec, plan = loaded.spec, loaded.plan
+    geometry = dict(
+        num_layers=spec.num_layers,
+        block_size=config.block_size,
+        n_kv_heads=loaded.shard.local_kv_heads,
+        head_dim=spec.head_dim,
+        dtype=plan.torch_kv_dtype,
+    )
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        # A host's ranks share its RAM (each GPU rank has its own device); an explicit
+        # --kv-cache-memory is each rank's own.
+        ranks_here = group.local_size if plan.kv_pool == "host" else 1
+        budget = config.kv_cache_memory or default_budget(plan.kv_pool) // ranks_here
+        per_block = KVCache.bytes_per_block(**geometry)
+        num_blocks = KVCache.blocks_for_budget(
+            budget, per_block, loaded.max_model_len, config.block_size
+        )
+    num_blocks = group.min_int(num_blocks)  # one pool: the same block count everywhere
+    return KVCache(num_blocks=num_blocks, device=plan.device, pool=plan.kv_pool, **geometry)
