@@ -13,7 +13,10 @@ Runs the real scheduler on the model-free SimWorker with the README's pool (11,6
   history plus 10-100 new tokens, 20-200 tokens out, ``--turns`` turns each; the share of
   prompt tokens the prefix cache served (placement must not cost cache hits).
 
-    python scripts/bench_block_layout.py --against f4f3150 --attention
+``--against REV`` adds the allocator of git revision REV; the one before adjacent placement,
+first-in first-out and then least recently freed, is named by its successor's message:
+
+    python scripts/bench_block_layout.py --attention --against 'HEAD^{/keeps a request.s blocks}~1'
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ NUM_BLOCKS, BLOCK_SIZE, SLOTS, VOCAB = 11_650, 16, 128, 49_152
 
 
 def allocator_at(revision: str) -> type:
-    """``BlockAllocator`` as ``revision`` wrote it, taking (and ignoring) today's hints."""
+    """``BlockAllocator`` as ``revision`` wrote it, ignoring the current one's hints."""
     source = subprocess.run(
         ["git", "-C", str(ROOT), "show", f"{revision}:scheduler/block_allocator.py"],
         check=True,

@@ -2,9 +2,9 @@
 ``vdpbf16ps`` instructions (AVX512-BF16, 32 multiply-adds each) reaches on 1 and 2 threads.
 
 No matmul can beat it, so it bounds any bfloat16 server's tokens/s here: ``scripts/compare.py``'s
-concurrency-32 load needs about 3,930 GFLOP of matmuls (docs/performance.md, "Side by side").
-Built with plain g++ into a shared library called through ctypes (no torch headers, so it
-builds in about a second); prints one line per thread count:
+concurrency-32 load needs about 3,930 GFLOP of matmuls (docs/performance.md, "Where the bars
+stand"). Built with plain g++ into a shared library called through ctypes (no torch headers, so
+it builds in about a second); prints one line per thread count:
 
     python scripts/cpu_peak.py
 

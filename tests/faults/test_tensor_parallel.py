@@ -1,8 +1,8 @@
 """A worker of three ranks (gloo on CPU) serving the default model in float32, its ranks
-supervised together: the README's prompts give the text of one rank through the HTTP API, and
-a SIGKILLed non-zero rank in the middle of streams is the worker's death. The scheduler notices,
-the other ranks exit with it, the supervisor restarts the group, every stream finishes with
-the undisturbed text, no process of the old group is left behind and /health recovers."""
+supervised together: chat and completion prompts give the text of one rank through the HTTP
+API, and a SIGKILLed non-zero rank in the middle of streams is the worker's death. The scheduler
+notices, the other ranks exit with it, the supervisor restarts the group, every stream finishes
+with the undisturbed text, no process of the old group is left behind and /health recovers."""
 
 from __future__ import annotations
 

@@ -69,8 +69,8 @@ async def test_sigkilled_worker_is_recomputed_and_streams_match(server):
 # thread: about 50 ms a token), short enough that an undisturbed run is not the test's cost.
 LONELY_TOKENS = 160
 # How long the lonely server's requests wait for a worker. A worker restarted by hand takes 18 s
-# to be ready on a loaded 2-core machine, and more than 30 s once in a CI run (7fffdb8) while
-# the other test process loaded the real model: the restarts below must always fit.
+# to be ready on a loaded 2-core machine, and more than 30 s in a CI run while the other test
+# process loaded the real model: the restarts below must always fit.
 LONELY_WORKER_TIMEOUT = 60
 
 
