@@ -21,7 +21,7 @@ class SchedulerConfig:
 
     num_slots: int | None = None
     num_blocks: int | None = None
-    token_budget: int = 512
+    token_budget: int = 2048
     watermark_blocks: int | None = None
     max_model_len: int | None = None
     audit: bool = False
