@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -11,12 +11,47 @@ class ParallelConfig:
     listens (port 0: any free port, when every rank runs on this host), how long a rank may be
     silent, and how long to wait for the store at start. ``worker.parallel.ranks`` runs it."""
 
-    size: int = 1
-    ranks: tuple[int, ...] = ()
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
-    timeout_s: float = 3.0
-    connect_timeout_s: float = 60.0
+    size: int = field(
+        default=1,
+        metadata={
+            "help": "ranks the worker is split across, each with a share of every layer's heads",
+            "flag": "--tensor-parallel-size",
+        },
+    )
+    ranks: tuple[int, ...] = field(
+        default=(),
+        metadata={
+            "help": "the ranks this host runs (0, 2-3 or 0,1): it runs the first, starts the rest",
+            "flag": "--tp-ranks",
+            "parse": "ranks",
+            "shown": "all",
+        },
+    )
+    master_addr: str = field(
+        default="127.0.0.1",
+        metadata={"help": "rank 0's host, where its TCP store listens", "flag": "--tp-master-addr"},
+    )
+    master_port: int = field(
+        default=0,
+        metadata={
+            "help": "the TCP store's port (0: any free one); ranks on several hosts need one",
+            "flag": "--tp-master-port",
+        },
+    )
+    timeout_s: float = field(
+        default=3.0,
+        metadata={
+            "help": "seconds a rank may be silent before the whole worker stops",
+            "flag": "--tp-timeout",
+        },
+    )
+    connect_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "seconds a rank waits for rank 0's store at start",
+            "flag": "--tp-connect-timeout",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.size < 1:
