@@ -14,10 +14,6 @@ def _default_addresses() -> Addresses:
     return default_addresses(os.environ.get("NANOSERVE_RUN_ID", "default"))
 
 
-def _default_api_key() -> str | None:
-    return os.environ.get("NANOSERVE_API_KEY") or None
-
-
 @dataclass(frozen=True)
 class FrontendConfig:
     """Options of one frontend process.
@@ -31,25 +27,55 @@ class FrontendConfig:
     the context length, as vLLM does).
     """
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model: str | None = None
-    tokenizer: str | None = None
-    served_model_name: str | None = None
+    host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address"})
+    port: int = field(default=8000, metadata={"help": "HTTP port"})
+    model: str | None = None  # the option is WorkerConfig's: one model for both processes
+    tokenizer: str | None = field(
+        default=None,
+        metadata={"help": "load the tokenizer from elsewhere", "shown": "the model's"},
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata={"help": "the name clients give as model", "shown": "the model's name"},
+    )
     addresses: Addresses = field(default_factory=_default_addresses)
-    api_key: str | None = field(default_factory=_default_api_key)
-    max_body_bytes: int = 1 << 20
-    max_stop_strings: int = 16
+    api_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "require a Bearer token on /v1/*; several comma-separated, each a tenant "
+            "of its own in the prefix cache",
+            "shown": "none",
+        },
+    )
+    max_body_bytes: int = field(default=1 << 20, metadata={"help": "larger request bodies get 413"})
+    max_stop_strings: int = field(
+        default=16, metadata={"help": "the most stop strings a request may give"}
+    )
     max_stop_string_chars: int = 256
-    max_logprobs: int = MAX_LOGPROBS
-    max_n: int = 16
-    default_max_tokens: int | None = None
-    drain_timeout: float = 30.0
+    max_logprobs: int = field(
+        default=MAX_LOGPROBS, metadata={"help": "the most logprobs a request may ask for"}
+    )
+    max_n: int = field(default=16, metadata={"help": "the most choices (n) a request may ask for"})
+    default_max_tokens: int | None = field(
+        default=None,
+        metadata={"help": "cap for requests that give no max_tokens", "shown": "fill the context"},
+    )
+    drain_timeout: float = field(
+        default=30.0, metadata={"help": "seconds in-flight requests may finish after SIGTERM"}
+    )
     heartbeat_interval: float = 0.5
-    scheduler_timeout: float = 2.0
-    stall_timeout: float = 30.0
+    scheduler_timeout: float = field(
+        default=2.0,
+        metadata={"help": "seconds of scheduler silence before requests fail and new ones get 503"},
+    )
+    stall_timeout: float = field(
+        default=30.0,
+        metadata={
+            "help": "seconds without a finished step, while requests run, before /health 503s"
+        },
+    )
     retry_after_s: int = 1
-    log_level: str = "INFO"
+    log_level: str = field(default="INFO", metadata={"help": "the log level"})
 
     @property
     def api_keys(self) -> tuple[str, ...]:

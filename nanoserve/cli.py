@@ -21,6 +21,7 @@ COMMANDS = [
     "generate",
     "soak",
     "sweep_watermark",
+    "options_table",
 ]
 BENCH_COMMANDS = ["bench_forward", "bench_scheduler", "bench_serve", "bench_tp"]
 

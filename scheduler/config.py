@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -21,12 +21,30 @@ class SchedulerConfig:
 
     num_slots: int | None = None
     num_blocks: int | None = None
-    token_budget: int = 512
-    watermark_blocks: int | None = None
+    token_budget: int = field(
+        default=2048,
+        metadata={"help": "tokens computed per iteration; longer prompts prefill in chunks"},
+    )
+    watermark_blocks: int | None = field(
+        default=None,
+        metadata={"help": "blocks held back at admission", "shown": "1% of the pool"},
+    )
     max_model_len: int | None = None
-    audit: bool = False
-    overlap: bool = True
-    enable_prefix_caching: bool = True
+    audit: bool = field(
+        default=False,
+        metadata={"help": "check every ledger invariant between iterations; a violation stops it"},
+    )
+    overlap: bool = field(
+        default=True,
+        metadata={
+            "help": "plan step N+1 while the worker computes step N",
+            "off": ("--disable-overlap",),
+        },
+    )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata={"help": "share the K/V of full blocks between requests with a common prefix"},
+    )
 
     def __post_init__(self) -> None:
         if self.num_slots is not None and self.num_slots < 1:

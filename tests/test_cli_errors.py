@@ -85,3 +85,15 @@ def test_negative_q4_max_tokens():
     _assert_one_line_error(
         _nanoserve("bench", "forward", "--q4-max-tokens", "-1"), "--q4-max-tokens"
     )
+
+
+def test_a_bad_variable_names_itself():
+    done = _nanoserve("scheduler", env_extra={"NANOSERVE_TOKEN_BUDGET": "lots"})
+    _assert_one_line_error(done, "--token-budget", "NANOSERVE_TOKEN_BUDGET='lots'", "integer")
+    done = _nanoserve("frontend", env_extra={"NANOSERVE_PIN_CPU": "maybe"})
+    _assert_one_line_error(done, "NANOSERVE_PIN_CPU='maybe'", "not a switch")
+
+
+def test_a_bad_flag_value_is_one_line():
+    _assert_one_line_error(_nanoserve("frontend", "--port", "http"), "--port", "'http'")
+    _assert_one_line_error(_nanoserve("worker", "--kv-cache-memory", "lots"), "not a size")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -44,22 +44,95 @@ class WorkerConfig:
     ``worker.cpu.kernels``. It tests that path where there is no GPU.
     """
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    num_slots: int = 128
-    max_model_len: int | None = None
-    seed: int = 0
-    num_threads: int | None = None
-    q4_max_tokens: int = 8
-    w4a8: bool = True
-    kv_cache_dtype: str = "auto"
-    compile: bool | None = None
-    generic_path: bool = False
-    adapt_threads: bool = True
+    model: str | None = field(
+        default=None,
+        metadata={
+            "help": "a .gguf file or a Hugging Face directory (config.json, *.safetensors)",
+            "shown": "SmolLM2-135M-Instruct",
+            "processes": ("worker", "frontend"),
+        },
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: bfloat16 where the device computes it natively, else float32; "
+            "float32: the exact path",
+            "choices": DTYPES,
+        },
+    )
+    device: str = field(
+        default="auto",
+        metadata={"help": "auto: cuda where torch sees a GPU, else cpu", "choices": DEVICES},
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    num_blocks: int | None = field(
+        default=None,
+        metadata={"help": "KV pool size in blocks, given outright", "shown": "from the budget"},
+    )
+    kv_cache_memory: int | None = field(
+        default=None,
+        metadata={
+            "help": "KV pool budget (2GiB, 512MiB, bytes)",
+            "shown": "CPU: 1/4 of RAM, at most 4 GiB; CUDA: 80% of free",
+            "parse": "bytes",
+        },
+    )
+    num_slots: int = field(
+        default=128, metadata={"help": "cache rows: the most requests running at once"}
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata={"help": "longest prompt + output", "shown": "the model's, at most 8192"},
+    )
+    seed: int = field(default=0, metadata={"help": "seeds the draws of requests that give none"})
+    num_threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "torch threads for the forward",
+            "shown": "the CPUs this process may use",
+            "flag": "--threads",
+        },
+    )
+    q4_max_tokens: int = field(
+        default=8,
+        metadata={
+            "help": "CPU, Q4_0/Q4_1 GGUF: steps of at most this many tokens run on the file's "
+            "4-bit weights (0: never)"
+        },
+    )
+    w4a8: bool = field(
+        default=True,
+        metadata={
+            "help": "CPU with AVX512-VNNI, or auto's float32: 4-bit weights times 8-bit "
+            "activations in bigger steps too (llama.cpp's numerics)"
+        },
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "the K/V pool's dtype; auto: float16 under auto's float32 on a CPU, "
+            "else the model's",
+            "choices": KV_CACHE_DTYPES,
+        },
+    )
+    compile: bool | None = field(
+        default=None,
+        metadata={
+            "help": "CPU: decode steps of at most 32 rows as one torch.compile'd graph, "
+            "built in the background",
+            "shown": "on where it pays",
+        },
+    )
+    generic_path: bool = field(
+        default=False,
+        metadata={"help": "run on CPU exactly the code CUDA runs (none of nanoserve's kernels)"},
+    )
+    adapt_threads: bool = field(
+        default=True,
+        metadata={
+            "help": "CPU: one thread while another process holds a core, until it is free again"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from nanoserve.options import env
+from nanoserve.options import add_options, option
 
 
 def add_worker_flags(
@@ -25,7 +25,7 @@ def add_worker_flags(
 ) -> None:
     """The model and pool-shape flags shared by generate and soak."""
     p.add_argument("--model", default=None, help="model name or path (default: SmolLM2-135M)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=env("dtype", "auto"))
+    add_options(p, [option("dtype")])
     p.add_argument("--num-blocks", type=int, default=num_blocks)
     p.add_argument("--block-size", type=int, default=block_size)
     p.add_argument("--num-slots", type=int, default=num_slots)

@@ -10,48 +10,37 @@ the frontend or a supervisor exits unexpectedly the others are stopped and serve
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
 import time
 
-from nanoserve.commands.scheduler import add_scheduler_args
-from nanoserve.commands.worker import add_worker_args
-from nanoserve.options import add_address_args, add_model_arg, env
+from nanoserve.options import add_options, child_environment, config_from, options_for
 
 ROLES = ("scheduler", "worker", "frontend")
 SUPERVISED = ("scheduler", "worker")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Register ``serve``."""
+    """Register ``serve``: the options of all three processes."""
     parser = sub.add_parser("serve", help="start all three processes (like `honcho start`)")
-    add_model_arg(parser)
-    add_address_args(parser)
-    add_worker_args(parser)
-    add_scheduler_args(parser)
-    group = parser.add_argument_group("frontend")
-    group.add_argument("--host", default=env("host", "127.0.0.1"))
-    group.add_argument("--port", type=int, default=env("port", 8000, int))
-    group.add_argument(
-        "--api-key",
-        default=env("api_key"),
-        help="require one of these Bearer tokens (comma-separated)",
-    )
+    add_options(parser, options_for("serve"))
     parser.set_defaults(func=run)
 
 
-def child_environment(args: argparse.Namespace) -> dict[str, str]:
-    """The parent's environment plus one NANOSERVE_* variable per option that has a value
-    (switches as 1 or 0, so an option that defaults to on can be turned off)."""
-    environment = dict(os.environ)
-    for name, value in vars(args).items():
-        if name in ("func", "command") or value is None:
-            continue
-        text = "1" if value is True else "0" if value is False else str(value)
-        environment[f"NANOSERVE_{name.upper()}"] = text
-    return environment
+def check(args: argparse.Namespace) -> None:
+    """Build every process's config here, so that a bad value is one line (ValueError) before
+    anything starts, not a child that fails and is restarted."""
+    from frontend.config import FrontendConfig
+    from nanoserve.launch import Running, Sockets
+    from scheduler.config import SchedulerConfig
+    from worker.config import WorkerConfig
+    from worker.parallel.config import ParallelConfig
+
+    for cls in (WorkerConfig, ParallelConfig, SchedulerConfig, Running):
+        config_from(cls, args)
+    addresses = config_from(Sockets, args).addresses()
+    config_from(FrontendConfig, args, model=args.model, addresses=addresses)
 
 
 def role_command(role: str) -> list[str]:
@@ -64,6 +53,7 @@ def role_command(role: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Start the processes and wait; returns 0 after a clean stop."""
+    check(args)
     environment = child_environment(args)
     children: dict[str, subprocess.Popen] = {}
     stopping = False

@@ -27,9 +27,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
+
+from worker.parallel.config import ParallelConfig
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -42,40 +43,6 @@ log = logging.getLogger("nanoserve.worker")
 BEAT_S = 0.25
 COLLECTIVE_TIMEOUT_S = 60.0
 _PR_SET_PDEATHSIG = 1
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """The group: its size, this host's ranks (empty: all of them), where rank 0's TCP store
-    listens (port 0: any free port, when every rank runs on this host), how long a rank may be
-    silent, and how long to wait for the store at start."""
-
-    size: int = 1
-    ranks: tuple[int, ...] = ()
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
-    timeout_s: float = 3.0
-    connect_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ValueError(f"tensor parallel size must be >= 1, got {self.size}")
-        bad = [rank for rank in self.ranks if not 0 <= rank < self.size]
-        if bad or len(set(self.ranks)) != len(self.ranks):
-            raise ValueError(
-                f"tensor parallel ranks {list(self.ranks)} not distinct in [0, {self.size})"
-            )
-        if self.master_port == 0 and len(self.local_ranks) < self.size:
-            raise ValueError(
-                "ranks on several hosts need NANOSERVE_TP_MASTER_PORT (rank 0's store)"
-            )
-        if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ValueError("tensor parallel timeouts must be > 0")
-
-    @property
-    def local_ranks(self) -> tuple[int, ...]:
-        """The ranks this host runs, lowest first (this process runs the first)."""
-        return tuple(sorted(self.ranks)) if self.ranks else tuple(range(self.size))
 
 
 def run_ranks(
