@@ -86,37 +86,44 @@ class SchedulerProcess:
 
     def run(self) -> int:
         """Serve until SIGTERM or SIGINT (then return 0)."""
-        poller = zmq.Poller()
-        for socket in (self.frontends.channel.socket, self.workers.channel.socket):
-            poller.register(socket, zmq.POLLIN)
-        self.liveness.register(poller)
-        if self.monitor.socket is not None:
-            poller.register(self.monitor.socket, zmq.POLLIN)
+        poller = self.poller()
         try:
-            self._loop(poller)
+            while not self.stopping:
+                self.turn(poller)
         except InvariantViolation:
             self.monitor.publish()  # the page shows the failed audit before we go
             raise
         log.info("stopped")
         return 0
 
-    def _loop(self, poller: zmq.Poller) -> None:
+    def poller(self) -> zmq.Poller:
+        """A poller over every socket the loop reads."""
+        poller = zmq.Poller()
+        for socket in (self.frontends.channel.socket, self.workers.channel.socket):
+            poller.register(socket, zmq.POLLIN)
+        self.liveness.register(poller)
+        if self.monitor.socket is not None:
+            poller.register(self.monitor.socket, zmq.POLLIN)
+        return poller
+
+    def turn(self, poller: zmq.Poller) -> None:
+        """One iteration of the loop: wait for events (not at all while a step could be sent),
+        handle them, then send steps, beat and publish as due."""
         frontends, workers = self.frontends.channel, self.workers.channel
-        while not self.stopping:
-            wait_ms = 0 if self.workers.can_step() else int(self.heartbeat_s * 1000)
-            events = dict(poller.poll(wait_ms))
-            if events:
-                self.workers.wake()  # an arrival, abort or result may change the plan
-            if frontends.socket in events:
-                _drain(frontends, self.frontends.on_message, self.frontends.bad)
-            if workers.socket in events:
-                _drain(workers, self._on_worker, self.workers.bad)
-            self.liveness.on_events(events)
-            self.monitor.on_events(events)
-            self.liveness.check()
-            self.workers.send_steps()
-            self.liveness.maybe_heartbeat()
-            self.monitor.maybe_publish()
+        wait_ms = 0 if self.workers.can_step() else int(self.heartbeat_s * 1000)
+        events = dict(poller.poll(wait_ms))
+        if events:
+            self.workers.wake()  # an arrival, abort or result may change the plan
+        if frontends.socket in events:
+            _drain(frontends, self.frontends.on_message, self.frontends.bad)
+        if workers.socket in events:
+            _drain(workers, self._on_worker, self.workers.bad)
+        self.liveness.on_events(events)
+        self.monitor.on_events(events)
+        self.liveness.check()
+        self.workers.send_steps()
+        self.liveness.maybe_heartbeat()
+        self.monitor.maybe_publish()
 
     def _on_worker(self, peer: bytes, message: Any, fd: int | None) -> None:
         self.frontends.publish(self.workers.on_message(peer, message, fd))
