@@ -1,7 +1,7 @@
 """FrontendSide: the scheduler process's dealings with the frontends it serves.
 
 It owns the frontends' socket, the registry of frontends heard from, and which frontend owns
-each request. It answers hellos, queues adds on the worker side's engine, applies aborts, and
+each request. It answers hellos, queues adds on the process's engine, applies aborts, and
 sends each frontend the outputs of its own requests, with the gauges. What happens on the
 worker's side reaches the frontends through ``publish``.
 """
@@ -26,6 +26,7 @@ from protocol.messages import (
     RequestOutput,
 )
 from protocol.params import RequestLimits, check_params
+from scheduler.engine import Engine
 from scheduler.peers import Frontends, failed
 from scheduler.worker_side import WorkerNews, WorkerSide
 
@@ -35,8 +36,11 @@ log = logging.getLogger("nanoserve.scheduler")
 class FrontendSide:
     """The frontends' socket, the frontends heard from, and the owner of every request."""
 
-    def __init__(self, channel: Channel[FrontendToScheduler], workers: WorkerSide) -> None:
+    def __init__(
+        self, channel: Channel[FrontendToScheduler], engine: Engine, workers: WorkerSide
+    ) -> None:
         self.channel = channel
+        self.engine = engine
         self.workers = workers
         self.peers = Frontends()
         self.owner: dict[str, bytes] = {}  # request id -> the frontend that sent it
@@ -90,8 +94,8 @@ class FrontendSide:
         self.channel.send(self.workers.info(), peer)
 
     def _add(self, peer: bytes, add: AddRequest) -> None:
-        engine = self.workers.engine
-        if engine is None or not self.workers.accepts_requests():
+        engine = self.engine
+        if not self.workers.accepts_requests():
             self._reply(peer, [failed(add.request_id, self.workers.no_worker_reason)])
             return
         if add.request_id in self.owner:
@@ -111,9 +115,8 @@ class FrontendSide:
         self.owner[add.request_id] = peer
 
     def _abort(self, request_id: str) -> None:
-        engine = self.workers.engine
-        if engine is not None and request_id in self.owner:
-            engine.abort(request_id)
+        if request_id in self.owner:
+            self.engine.abort(request_id)
         self.owner.pop(request_id, None)
 
     # -- news for the frontends ----------------------------------------------------------------
@@ -164,11 +167,9 @@ class FrontendSide:
     def _fail_all(self, reason: str) -> None:
         """Fail every request: each owner gets finish_reason "error" with ``reason``."""
         log.error("%s: failing %d requests", reason, len(self.owner))
-        engine = self.workers.engine
         by_peer: dict[bytes, list[RequestOutput]] = {}
         for request_id, peer in self.owner.items():
-            if engine is not None:
-                engine.abort(request_id)
+            self.engine.abort(request_id)
             by_peer.setdefault(peer, []).append(failed(request_id, reason))
         self.owner.clear()
         for peer, batch in by_peer.items():

@@ -10,11 +10,11 @@ apply() -> audit (with --audit) -> Outputs to each frontend -> plan() again. Wit
 default) two steps are in flight: step N+1 is planned and sent as soon as step N is, so the
 worker finds its next step queued the moment it finishes one.
 
-The loop is here; each peer has its side: ``WorkerSide`` (the engine, the worker's
-announcement, steps and their results), ``FrontendSide`` (hellos, adds, aborts, routing
-outputs) and ``Liveness`` (monitors, silence, heartbeats). Garbage is logged, counted and
-dropped by the side whose socket it arrived on. ``Monitor`` publishes snapshots for the web page
-while a frontend subscribes.
+The loop and the ``Engine`` are here, the engine handed to each peer's side: ``WorkerSide`` (the
+worker's announcement, which fits the engine, steps and their results), ``FrontendSide``
+(hellos, adds and aborts on the engine, routing outputs) and ``Liveness`` (monitors, silence,
+heartbeats). Garbage is logged, counted and dropped by the side whose socket it arrived on.
+``Monitor`` publishes snapshots for the web page while a frontend subscribes.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from protocol.addresses import Addresses
 from protocol.channel import BadMessage, Channel
 from protocol.messages import FrontendToScheduler, WorkerToScheduler
 from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
 from scheduler.errors import InvariantViolation
 from scheduler.frontend_side import FrontendSide
 from scheduler.liveness import Liveness
@@ -55,8 +56,9 @@ class SchedulerProcess:
         self.context = zmq.Context()
         worker_channel = Channel(self._bind(addresses.worker), WorkerToScheduler)
         frontend_channel = Channel(self._bind(addresses.frontend), FrontendToScheduler)
-        self.workers = WorkerSide(worker_channel, config)
-        self.frontends = FrontendSide(frontend_channel, self.workers)
+        self.engine = Engine(None, config)  # sized when the first worker announces itself
+        self.workers = WorkerSide(worker_channel, self.engine)
+        self.frontends = FrontendSide(frontend_channel, self.engine, self.workers)
         self.liveness = Liveness(
             self.frontends,
             self.workers,

@@ -6,6 +6,7 @@ import time
 
 from protocol.messages import Outputs, SchedulerInfo
 from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
 from scheduler.frontend_side import FrontendSide
 from scheduler.worker_side import WorkerSide
 
@@ -24,8 +25,9 @@ def test_a_frontend_hears_why_before_its_requests_fail():
     """A client that reads its failed request and then asks /health must get the same reason,
     so each frontend gets the new SchedulerInfo before the failures."""
     channel = Recording()
-    workers = WorkerSide(channel=None, config=SchedulerConfig())  # type: ignore[arg-type]
-    frontends = FrontendSide(channel, workers)  # type: ignore[arg-type]
+    engine = Engine(None, SchedulerConfig())
+    workers = WorkerSide(channel=None, engine=engine)  # type: ignore[arg-type]
+    frontends = FrontendSide(channel, engine, workers)  # type: ignore[arg-type]
     for peer in (b"a", b"b"):
         frontends.peers.heard(peer, time.monotonic(), None)
     frontends.owner.update({"r1": b"a", "r2": b"b", "r3": b"a"})
