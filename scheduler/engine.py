@@ -203,16 +203,18 @@ class Engine(InProcessRuns):
         )
         samples = {s.request_id: s for s in result.samples}
         outputs = []
+        scheduler = self.scheduler
+        is_current, on_sampled = scheduler.is_current, scheduler.on_sampled  # once, not per row
         for chunk in batch.chunks:
-            if not chunk.sample or not self.scheduler.is_current(chunk):
+            if not chunk.sample or not is_current(chunk):
                 continue  # a prefill chunk, or surplus: its request ended or was preempted
             request = chunk.request
             sample = samples.get(request.request_id)
             if sample is None:
                 raise RuntimeError(f"step {result.step_id} has no sample for {request.request_id}")
-            reason = self.scheduler.on_sampled(request, sample.token_id)
+            reason = on_sampled(request, sample.token_id)
             if reason is not None:
-                self.scheduler.finish(request, reason)
+                scheduler.finish(request, reason)
             outputs.append(request_output(request, sample, reason))
         return outputs
 

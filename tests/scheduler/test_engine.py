@@ -94,7 +94,7 @@ def test_abort_running_request_frees_at_once() -> None:
     engine.step()
     engine.abort("a")
     assert engine.scheduler.allocator.num_free == 16
-    assert engine.scheduler.pending_releases == (0,)
+    assert engine.scheduler.slots.pending_releases == (0,)
     engine.audit(engine.worker.rows())  # the row still shows "a": its release is pending
     assert engine.worker.rows()[0].request_id == "a"
     assert_all_back(engine)
