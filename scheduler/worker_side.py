@@ -83,7 +83,8 @@ class WorkerSide:
         return self._engine.fitted and (self.worker is not None or self.lost_since is not None)
 
     def info(self) -> SchedulerInfo:
-        """The SchedulerInfo every frontend gets: the worker's geometry, or why there is none."""
+        """The SchedulerInfo every frontend gets: the worker's geometry and plan, or why there is
+        none."""
         ready = self.worker.ready if self.worker else None
         return SchedulerInfo(
             protocol_version=PROTOCOL_VERSION,
@@ -93,6 +94,7 @@ class WorkerSide:
             num_blocks=ready.num_blocks if ready else 0,
             block_size=ready.block_size if ready else 0,
             reason="" if ready else self.no_worker_reason,
+            worker_plan=dict(ready.plan) if ready else {},
         )
 
     def stats(self) -> EngineStats:
@@ -193,6 +195,7 @@ class WorkerSide:
             "s" if ready.tensor_parallel_size > 1 else "",
             f", {lost_for:.2f} s after the last one was lost" if lost_for is not None else "",
         )
+        log.info("worker plan: %s", " ".join(f"{k}={v}" for k, v in ready.plan.items()) or "none")
         return WorkerNews(outputs=outputs, changed=True)
 
     def _step_done(self, peer: bytes, result: StepResult) -> WorkerNews | None:
