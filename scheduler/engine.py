@@ -65,7 +65,7 @@ class Engine(InProcessRuns):
         self.config = config
         self.worker = worker
         self.ready_info: WorkerReady | None = None
-        self.scheduler: Scheduler = None  # type: ignore[assignment]  # set by the first fit
+        self.scheduler: Scheduler = None  # type: ignore[assignment]  # until fit(): see fitted
         if ready is not None:
             self.scheduler, self.ready_info = build_scheduler(ready, config, allocator), ready
         self.depth = 2 if config.overlap else 1  # steps in flight at most

@@ -68,7 +68,7 @@ class WorkerSide:
 
     @property
     def engine(self) -> Engine | None:
-        """The process's engine once a worker has sized it (None before)."""
+        """The process's engine once a worker has sized it, None before (the monitor reads it)."""
         return self._engine if self._engine.fitted else None
 
     @property
