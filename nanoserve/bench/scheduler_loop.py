@@ -15,6 +15,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -26,6 +27,7 @@ from protocol.messages import (
     FrontendHello,
     Heartbeat,
     Outputs,
+    RequestOutput,
     Sample,
     SamplingParams,
     SchedulerInfo,
@@ -37,6 +39,9 @@ from protocol.messages import (
 )
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
+
+if TYPE_CHECKING:
+    from scheduler.process import SchedulerProcess
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 100  # tokens, plus 0..15 so that requests reach block boundaries on different steps
@@ -132,7 +137,9 @@ class _Peers:
         self.frontend = Channel(_dealer(context, addresses.frontend, b"f"), SchedulerToFrontend)
         self._beat_at = 0.0
 
-    def run(self, process, num_requests: int, steps: int, deadline: float) -> LoopCost:
+    def run(
+        self, process: SchedulerProcess, num_requests: int, steps: int, deadline: float
+    ) -> LoopCost:
         """Announce the worker, add the requests, then turn the loop and play both peers."""
         poller = process.poller()
         self.frontend.send(FrontendHello(protocol_version=PROTOCOL_VERSION, frontend_id="bench"))
@@ -176,7 +183,7 @@ class _Peers:
                 n += 1
         return n
 
-    def _outputs(self) -> list:
+    def _outputs(self) -> list[RequestOutput]:
         """Every output that came; a heartbeat each half second keeps the frontend alive."""
         now = time.monotonic()
         if now - self._beat_at >= 0.5:
