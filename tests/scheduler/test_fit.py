@@ -7,10 +7,13 @@ import msgspec
 import pytest
 
 from protocol.messages import SamplingParams, WorkerReady
+from scheduler.block_allocator import BlockAllocator
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.errors import RequestRejected
+from scheduler.scheduler import Scheduler
 from scheduler.sim_worker import SimWorker
+from scheduler.sizing import build_scheduler
 from scheduler.worker_side import WorkerSide
 from tests.scheduler.conftest import GREEDY, assert_all_back, prompts
 
@@ -85,6 +88,25 @@ def test_a_worker_that_does_not_fit_the_config_changes_nothing() -> None:
         engine.fit(SimWorker(16, 8, 2).ready())
     assert engine.scheduler is scheduler and engine.ready_info is ready
     assert engine.scheduler.known_ids == {"r"}
+
+
+@pytest.mark.parametrize(
+    ("config", "allocator", "message"),
+    [
+        (SchedulerConfig(num_slots=4), None, "num_slots 4 > the worker's 3"),
+        (SchedulerConfig(num_blocks=17), None, "num_blocks 17 > the worker's 16"),
+        (SchedulerConfig(), BlockAllocator(17, 4), "allocator's geometry does not fit"),
+        (SchedulerConfig(), BlockAllocator(16, 8), "allocator's geometry does not fit"),
+    ],
+)
+def test_sizing_refuses_what_the_worker_does_not_have(config, allocator, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_scheduler(SimWorker(16, 4, 3).ready(), config, allocator)
+
+
+def test_a_scheduler_needs_a_token_budget() -> None:
+    with pytest.raises(ValueError, match="need token_budget >= 1, got 0"):
+        Scheduler(BlockAllocator(4, 4), num_slots=1, token_budget=0)
 
 
 class _Recording:
