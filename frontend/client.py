@@ -204,13 +204,11 @@ class SchedulerClient:
         match message:
             case Outputs():
                 self._on_outputs(message)
+                self._on_stats(message.stats)  # with the outputs that end a request
             case SchedulerInfo():
                 self._on_info(message)
             case Heartbeat():
-                pass
-        self._update_ready()
-
-    def _update_ready(self) -> None:
+                self._on_stats(message.stats)  # the gauges ride the scheduler's beat
         if self.geometry() is not None:
             self._ready.set()
         else:
@@ -224,10 +222,10 @@ class SchedulerClient:
             if output.finish_reason is not None:
                 del self._routes[output.request_id]
             route[1].put_nowait((route[0], output))
-        if message.stats is not None:
-            self._on_stats(message.stats)
 
-    def _on_stats(self, stats: EngineStats) -> None:
+    def _on_stats(self, stats: EngineStats | None) -> None:
+        if stats is None:
+            return
         if stats.num_steps_total != self.stats.num_steps_total or stats.num_running == 0:
             self.last_progress = time.monotonic()
         self.stats = stats
@@ -248,6 +246,7 @@ class SchedulerClient:
                 state = "ready" if info.worker_ready else f"not ready ({info.reason})"
                 log.info("scheduler: worker %s", state)
             self.link = Link.GREETED
+            self.metrics.observe_plan(info.worker_plan)
         self.info = info
         self.last_progress = time.monotonic()
 

@@ -1,11 +1,13 @@
 """Metrics: the frontend's Prometheus series, in a registry of its own (one per app).
 
 Names follow vLLM's (``vllm:num_requests_running`` becomes ``nanoserve:num_requests_running``).
-Gauges mirror the scheduler's EngineStats; counters and histograms are measured here.
+Gauges mirror the scheduler's EngineStats; counters and histograms are measured here; the ready
+worker's plan is an info metric, ``nanoserve:worker_plan_info{device="cpu",...} 1``.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 
@@ -15,6 +17,7 @@ from prometheus_client import (
     Enum,
     Gauge,
     Histogram,
+    Info,
     generate_latest,
 )
 
@@ -167,6 +170,11 @@ class Metrics:
             states=list(DECODE_PATHS),
             registry=r,
         )
+        self.worker_plan = Info(
+            "nanoserve:worker_plan",
+            "How the ready worker runs its steps, chosen at its start (device, dtypes, kernels)",
+            registry=r,
+        )
         # Read when /metrics renders: every thread of this process, ZeroMQ's I/O thread included.
         self.cpu = Gauge(
             "nanoserve:frontend_cpu_seconds_total",
@@ -235,10 +243,15 @@ class Metrics:
             self.itl.observe(seconds)
         self.recent_itl.add(seconds, count)
 
+    def observe_plan(self, plan: dict[str, str]) -> None:
+        """The ready worker's plan (SchedulerInfo.worker_plan; {} while none is ready)."""
+        self.worker_plan.info({_label(key): str(value) for key, value in plan.items()})
+
     def observe_stats(self, stats: EngineStats) -> None:
-        """Take the scheduler's latest stats (every step's message carries them). The series
-        take them when read (``sync``): some 30 series updates on every token cost the
-        frontend a fifth of its CPU a token at concurrency 1 (docs/performance.md)."""
+        """Take the scheduler's latest stats (its heartbeat carries them, and so does the
+        message that ends a request). The series take them when read (``sync``): some 30
+        series updates on every message cost the frontend a fifth of its CPU a token at
+        concurrency 1, when every step's message carried them (docs/performance.md)."""
         pending = self._stats
         if pending is not None and any(
             getattr(stats, field) < getattr(pending, field) for _, _, field in COUNTED
@@ -271,3 +284,9 @@ class Metrics:
         """Prometheus text exposition of every series."""
         self.sync()
         return generate_latest(self.registry)
+
+
+def _label(key: str) -> str:
+    """A valid Prometheus label name for a plan key (a worker's own keys already are)."""
+    name = re.sub(r"\W", "_", key, flags=re.ASCII).lstrip("_")
+    return name if name[:1].isalpha() else f"key_{name}"

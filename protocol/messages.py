@@ -19,6 +19,7 @@ from __future__ import annotations
 import msgspec
 
 from protocol.params import SamplingParams
+from protocol.stats import EngineStats
 
 PROTOCOL_VERSION = 5  # 5: the monitor feed's pool as PoolStates (one byte per block)
 
@@ -158,10 +159,16 @@ class WorkerReady(Message):
 
 
 class Heartbeat(Message):
-    """Liveness, sent by every process to its peers at a fixed period while idle or busy."""
+    """Liveness, sent by every process to its peers at a fixed period while idle or busy.
+
+    ``stats``: the scheduler's gauges, on every beat it sends a frontend (None from any other
+    sender). They ride the beat, not each step's Outputs: /metrics and the web page read them
+    at most one period old, and a step's message stays the tokens alone.
+    """
 
     sender: str
     time: float
+    stats: EngineStats | None = None
 
 
 WorkerToScheduler = StepResult | WorkerReady | Heartbeat
@@ -219,64 +226,10 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_o
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
 
 
-class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
-    """Gauges and counters for /metrics, sent with every batch of outputs.
-
-    A ``_total`` restarts from 0 with the scheduler process (the engine's own, with the engine).
-
-    - ``num_running``, ``num_waiting``: requests holding a slot, and requests queued for one.
-    - ``kv_blocks_used``, ``kv_blocks_total``: KV blocks held by requests; the pool's size.
-    - ``num_preemptions_total``: requests preempted by recompute (short of blocks, worker lost).
-    - ``num_steps_total``: steps whose results came back and were applied to the requests.
-    - ``worker_ready``: a worker has announced itself and not been lost since.
-    - ``worker_busy_s_total``: the worker's own time in the steps counted by ``num_steps_total``.
-    - ``messages_during_step_total``: frontend messages taken in while a step was in flight.
-    - ``scheduler_busy_s_total``: CPU time the scheduler's loop spent planning steps and
-      applying their results.
-    - ``scheduler_cpu_s_total``: CPU time of the whole scheduler process, every thread (its
-      loop, ZeroMQ's I/O thread): with the frontend's own, what serving costs outside the
-      worker.
-    - ``bad_messages_total``: frames dropped (garbage, wrong type or version, a misfit worker).
-    - ``workers_lost_total``, ``frontends_lost_total``: peers given up on (closed, or silent).
-    - ``steps_in_flight``: steps sent and not yet answered (2 while overlap runs ahead).
-    - ``worker_resident_bytes``: the worker process's resident memory after its last step.
-    - ``grammar_tokens_total``: tokens sampled under a grammar; ``grammar_fill_s_total``: the
-      worker's time filling their masks (beside the forward); ``grammar_apply_s_total``: its
-      time waiting for and applying them (in the step's path).
-    - ``worker_decode_path``: what the worker's decode steps run on, as its last step said:
-      "eager", "compiling" (eagerly meanwhile), "compiled", "failed" ("" before any step).
-    - ``worker_threads``: the worker's intra-op threads after its last step (0 before any);
-      ``worker_thread_switches_total``: how often it changed them (``worker.cpu.threads``).
-    """
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    num_preemptions_total: int = 0
-    num_steps_total: int = 0
-    worker_ready: bool = False
-    worker_busy_s_total: float = 0.0
-    messages_during_step_total: int = 0
-    scheduler_busy_s_total: float = 0.0
-    bad_messages_total: int = 0
-    workers_lost_total: int = 0
-    frontends_lost_total: int = 0
-    steps_in_flight: int = 0
-    worker_resident_bytes: int = 0
-    prefix_cache_queries: int = 0  # tokens of admitted requests (every admission counted)
-    prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache
-    grammar_tokens_total: int = 0
-    grammar_fill_s_total: float = 0.0
-    grammar_apply_s_total: float = 0.0
-    worker_decode_path: str = ""
-    worker_threads: int = 0
-    worker_thread_switches_total: int = 0
-    scheduler_cpu_s_total: float = 0.0
-
-
 class Outputs(Message):
-    """Every output one step produced for one frontend, plus the scheduler's gauges."""
+    """Every output one step produced for one frontend. ``stats``: the scheduler's gauges when
+    one of the outputs ends its request (else None; they ride the Heartbeat), so a client that
+    reads /metrics right after its reply finds its request's end counted."""
 
     outputs: list[RequestOutput]
     stats: EngineStats | None = None
@@ -292,6 +245,7 @@ class SchedulerInfo(Message):
     num_blocks: int = 0
     block_size: int = 0
     reason: str = ""  # why no worker is ready (empty while one is)
+    worker_plan: dict[str, str] = {}  # WorkerReady.plan of the ready worker ({} while none is)
 
 
 SchedulerToFrontend = Outputs | SchedulerInfo | Heartbeat

@@ -53,7 +53,7 @@ def audit_rows(scheduler: Scheduler, rows: list[RowSummary]) -> None:
     if missing:
         raise InvariantViolation(f"slot {min(missing)} has no row in the worker's summary")
     owners = {r.slot: r for r in scheduler.running}
-    pending = set(scheduler.pending_releases)
+    pending = set(scheduler.slots.pending_releases)
     for slot, row in sorted(by_slot.items()):
         if slot in pending:
             _check_stale_row(scheduler, row)

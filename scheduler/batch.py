@@ -10,7 +10,7 @@ from protocol.messages import RequestOutput, Sample, StepItem
 from scheduler.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """One request's work in one iteration: ``num_tokens`` tokens from position ``start``."""
 
@@ -33,19 +33,28 @@ class Batch:
 
 def step_item(chunk: ScheduledChunk) -> StepItem:
     """The StepItem that tells the worker to compute ``chunk``."""
-    request = chunk.request
-    fresh = chunk.fresh
+    request, start = chunk.request, chunk.start
+    token_ids = request.token_slice(start, start + chunk.num_tokens)
+    if not chunk.fresh:  # most items: the defaults spare a decode step its keyword arguments
+        return StepItem(
+            request_id=request.request_id,
+            slot=request.slot,
+            new_blocks=chunk.new_blocks,
+            token_ids=token_ids,
+            start=start,
+            sample=chunk.sample,
+        )
     return StepItem(
         request_id=request.request_id,
         slot=request.slot,
         new_blocks=chunk.new_blocks,
-        token_ids=request.token_slice(chunk.start, chunk.start + chunk.num_tokens),
-        start=chunk.start,
+        token_ids=token_ids,
+        start=start,
         sample=chunk.sample,
-        params=request.params if fresh else None,
-        prompt_len=request.num_prompt_tokens if fresh else 0,
-        fresh=fresh,
-        cached_token_ids=request.token_slice(0, chunk.start) if fresh else [],
+        params=request.params,
+        prompt_len=request.num_prompt_tokens,
+        fresh=True,
+        cached_token_ids=request.token_slice(0, start),
     )
 
 

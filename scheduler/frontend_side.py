@@ -1,9 +1,9 @@
 """FrontendSide: the scheduler process's dealings with the frontends it serves.
 
 It owns the frontends' socket, the registry of frontends heard from, and which frontend owns
-each request. It answers hellos, queues adds on the worker side's engine, applies aborts, and
-sends each frontend the outputs of its own requests, with the gauges. What happens on the
-worker's side reaches the frontends through ``publish``.
+each request. It answers hellos, queues adds on the process's engine, applies aborts, sends
+each frontend the outputs of its own requests, and beats to every frontend with the gauges.
+What happens on the worker's side reaches the frontends through ``publish``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from protocol.messages import (
     RequestOutput,
 )
 from protocol.params import RequestLimits, check_params
+from scheduler.engine import Engine
 from scheduler.peers import Frontends, failed
 from scheduler.worker_side import WorkerNews, WorkerSide
 
@@ -35,8 +36,11 @@ log = logging.getLogger("nanoserve.scheduler")
 class FrontendSide:
     """The frontends' socket, the frontends heard from, and the owner of every request."""
 
-    def __init__(self, channel: Channel[FrontendToScheduler], workers: WorkerSide) -> None:
+    def __init__(
+        self, channel: Channel[FrontendToScheduler], engine: Engine, workers: WorkerSide
+    ) -> None:
         self.channel = channel
+        self.engine = engine
         self.workers = workers
         self.peers = Frontends()
         self.owner: dict[str, bytes] = {}  # request id -> the frontend that sent it
@@ -90,9 +94,9 @@ class FrontendSide:
         self.channel.send(self.workers.info(), peer)
 
     def _add(self, peer: bytes, add: AddRequest) -> None:
-        engine = self.workers.engine
-        if engine is None or not self.workers.accepts_requests():
-            self._reply(peer, [failed(add.request_id, self.workers.no_worker_reason)])
+        engine = self.engine
+        if not self.workers.accepts_requests():
+            self._reply(peer, [failed(add.request_id, self.workers.no_worker_reason)], ends=True)
             return
         if add.request_id in self.owner:
             self.bad(f"peer {peer!r}: request id {add.request_id!r} is already in use")
@@ -106,14 +110,13 @@ class FrontendSide:
                 add.request_id, list(add.prompt_token_ids), add.params, add.cache_salt
             )
         except ValueError as exc:
-            self._reply(peer, [failed(add.request_id, str(exc))])
+            self._reply(peer, [failed(add.request_id, str(exc))], ends=True)
             return
         self.owner[add.request_id] = peer
 
     def _abort(self, request_id: str) -> None:
-        engine = self.workers.engine
-        if engine is not None and request_id in self.owner:
-            engine.abort(request_id)
+        if request_id in self.owner:
+            self.engine.abort(request_id)
         self.owner.pop(request_id, None)
 
     # -- news for the frontends ----------------------------------------------------------------
@@ -141,16 +144,15 @@ class FrontendSide:
             self.channel.send(info, frontend)
 
     def heartbeat(self) -> None:
-        """Send every frontend the gauges and a heartbeat."""
-        gauges = Outputs(outputs=[], stats=self.stats())
-        beat = Heartbeat(sender="scheduler", time=time.time())
+        """Send every frontend a heartbeat with the gauges."""
+        beat = Heartbeat(sender="scheduler", time=time.time(), stats=self.stats())
         for frontend in self.peers:
-            self.channel.send(gauges, frontend)
             self.channel.send(beat, frontend)
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         """Send each frontend the outputs of its own requests, finished ones forgotten."""
         by_peer: dict[bytes, list[RequestOutput]] = {}
+        ended: set[bytes] = set()
         for output in outputs:
             peer = self.owner.get(output.request_id)
             if peer is None:
@@ -158,24 +160,28 @@ class FrontendSide:
             by_peer.setdefault(peer, []).append(output)
             if output.finish_reason is not None:
                 del self.owner[output.request_id]
+                ended.add(peer)
         for peer, batch in by_peer.items():
-            self._reply(peer, batch)
+            self._reply(peer, batch, ends=peer in ended)
 
     def _fail_all(self, reason: str) -> None:
         """Fail every request: each owner gets finish_reason "error" with ``reason``."""
         log.error("%s: failing %d requests", reason, len(self.owner))
-        engine = self.workers.engine
         by_peer: dict[bytes, list[RequestOutput]] = {}
         for request_id, peer in self.owner.items():
-            if engine is not None:
-                engine.abort(request_id)
+            self.engine.abort(request_id)
             by_peer.setdefault(peer, []).append(failed(request_id, reason))
         self.owner.clear()
         for peer, batch in by_peer.items():
-            self._reply(peer, batch)
+            self._reply(peer, batch, ends=True)
 
-    def _reply(self, peer: bytes, outputs: list[RequestOutput]) -> None:
-        self.channel.send(Outputs(outputs=outputs, stats=self.stats()), peer)
+    def _reply(self, peer: bytes, outputs: list[RequestOutput], *, ends: bool) -> None:
+        """Send ``outputs``; with the gauges when one of them ``ends`` its request. The gauges
+        ride the heartbeat, at most one period old; at a request's end they come at once, so
+        that /metrics read right after a reply counts it (its blocks back, its steps, its
+        worker's memory). That is one stats() a finished request, not one a token."""
+        stats = self.stats() if ends else None
+        self.channel.send(Outputs(outputs=outputs, stats=stats), peer)
 
     # -- loss ----------------------------------------------------------------------------------
 

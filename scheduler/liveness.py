@@ -5,7 +5,7 @@ message arrived on says which peer it was), and silence longer than ``peer_timeo
 backstop (an idle worker and every frontend heartbeat twice a second). A lost worker costs
 recompute, not requests: its running requests wait for a worker to announce itself, and fail
 after ``worker_timeout`` without one. A lost frontend's requests are aborted. The scheduler
-sends every frontend its gauges and a heartbeat each ``heartbeat_s``.
+sends every frontend a heartbeat with its gauges each ``heartbeat_s``.
 """
 
 from __future__ import annotations

@@ -61,17 +61,3 @@ def failed(request_id: str, reason: str) -> RequestOutput:
     return RequestOutput(
         request_id=request_id, new_token_ids=[], finish_reason="error", error=reason
     )
-
-
-def geometry(ready: WorkerReady) -> tuple:
-    """What a replacement worker must share with the lost one for requests to carry over. Not
-    the pool's size: a default pool is sized from free memory, which differs between starts,
-    and requests move to the new pool (``Engine.adopt_pool``)."""
-    return (
-        ready.model_id,
-        ready.block_size,
-        ready.num_slots,
-        ready.max_model_len,
-        tuple(ready.eos_token_ids),
-        ready.vocab_size,
-    )

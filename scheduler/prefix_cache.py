@@ -16,6 +16,8 @@ never computed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from scheduler.block_allocator import BlockAllocator
 from scheduler.request import Request
 
@@ -44,24 +46,29 @@ class PrefixCache:
         and the hits that are cached-free."""
         return need - len(hits) + sum(1 for block in hits if self.allocator.ref_count(block) == 0)
 
-    def admitted(self, request: Request, hits: list[int]) -> None:
-        """Account an admission that took ``hits``: the request starts computing after them."""
-        request.num_blocks_cached = len(hits)
-        request.num_computed = len(hits) * self.allocator.block_size
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = request.num_computed
+    def admitted(self, request: Request, num_hits: int) -> None:
+        """Account an admission whose first ``num_hits`` blocks are hits: the request starts
+        computing after them."""
+        request.take_cached(num_hits, self.allocator.block_size)
         self.queries += request.num_tokens
         self.hits += request.num_computed
 
     def offer(self, request: Request) -> None:
         """Offer the index every full block whose K/V is planned and whose tokens are known."""
+        self.offer_all((request,))
+
+    def offer_all(self, requests: Iterable[Request]) -> None:
+        """``offer`` each of ``requests``. Every step offers every request it computes or
+        samples, and a block fills once in ``block_size`` decode steps: the test comes first,
+        on fields, with no call per request."""
         if not self.enabled:
             return
         size = self.allocator.block_size
-        full = min(request.num_computed, request.num_known_tokens) // size
-        if full <= request.num_blocks_cached:
-            return
-        hashes = request.hash_blocks(full, size)
-        for index in range(request.num_blocks_cached, full):
-            self.allocator.cache(request.block_ids[index], hashes[index])
-        request.num_blocks_cached = full
+        for request in requests:
+            known = len(request.prompt_token_ids) + len(request.output_token_ids)
+            full = min(request.num_computed, known) // size
+            if full > request.num_blocks_cached:
+                hashes = request.hash_blocks(full, size)
+                for index in range(request.num_blocks_cached, full):
+                    self.allocator.cache(request.block_ids[index], hashes[index])
+                request.offered(full)

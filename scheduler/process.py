@@ -10,11 +10,11 @@ apply() -> audit (with --audit) -> Outputs to each frontend -> plan() again. Wit
 default) two steps are in flight: step N+1 is planned and sent as soon as step N is, so the
 worker finds its next step queued the moment it finishes one.
 
-The loop is here; each peer has its side: ``WorkerSide`` (the engine, the worker's
-announcement, steps and their results), ``FrontendSide`` (hellos, adds, aborts, routing
-outputs) and ``Liveness`` (monitors, silence, heartbeats). Garbage is logged, counted and
-dropped by the side whose socket it arrived on. ``Monitor`` publishes snapshots for the web page
-while a frontend subscribes.
+The loop and the ``Engine`` are here, the engine handed to each peer's side: ``WorkerSide`` (the
+worker's announcement, which fits the engine, steps and their results), ``FrontendSide``
+(hellos, adds and aborts on the engine, routing outputs) and ``Liveness`` (monitors, silence,
+heartbeats). Garbage is logged, counted and dropped by the side whose socket it arrived on.
+``Monitor`` publishes snapshots for the web page while a frontend subscribes.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from protocol.addresses import Addresses
 from protocol.channel import BadMessage, Channel
 from protocol.messages import FrontendToScheduler, WorkerToScheduler
 from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
 from scheduler.errors import InvariantViolation
 from scheduler.frontend_side import FrontendSide
 from scheduler.liveness import Liveness
@@ -55,8 +56,9 @@ class SchedulerProcess:
         self.context = zmq.Context()
         worker_channel = Channel(self._bind(addresses.worker), WorkerToScheduler)
         frontend_channel = Channel(self._bind(addresses.frontend), FrontendToScheduler)
-        self.workers = WorkerSide(worker_channel, config)
-        self.frontends = FrontendSide(frontend_channel, self.workers)
+        self.engine = Engine(None, config)  # sized when the first worker announces itself
+        self.workers = WorkerSide(worker_channel, self.engine)
+        self.frontends = FrontendSide(frontend_channel, self.engine, self.workers)
         self.liveness = Liveness(
             self.frontends,
             self.workers,
@@ -86,37 +88,44 @@ class SchedulerProcess:
 
     def run(self) -> int:
         """Serve until SIGTERM or SIGINT (then return 0)."""
-        poller = zmq.Poller()
-        for socket in (self.frontends.channel.socket, self.workers.channel.socket):
-            poller.register(socket, zmq.POLLIN)
-        self.liveness.register(poller)
-        if self.monitor.socket is not None:
-            poller.register(self.monitor.socket, zmq.POLLIN)
+        poller = self.poller()
         try:
-            self._loop(poller)
+            while not self.stopping:
+                self.turn(poller)
         except InvariantViolation:
             self.monitor.publish()  # the page shows the failed audit before we go
             raise
         log.info("stopped")
         return 0
 
-    def _loop(self, poller: zmq.Poller) -> None:
+    def poller(self) -> zmq.Poller:
+        """A poller over every socket the loop reads."""
+        poller = zmq.Poller()
+        for socket in (self.frontends.channel.socket, self.workers.channel.socket):
+            poller.register(socket, zmq.POLLIN)
+        self.liveness.register(poller)
+        if self.monitor.socket is not None:
+            poller.register(self.monitor.socket, zmq.POLLIN)
+        return poller
+
+    def turn(self, poller: zmq.Poller) -> None:
+        """One iteration of the loop: wait for events (not at all while a step could be sent),
+        handle them, then send steps, beat and publish as due."""
         frontends, workers = self.frontends.channel, self.workers.channel
-        while not self.stopping:
-            wait_ms = 0 if self.workers.can_step() else int(self.heartbeat_s * 1000)
-            events = dict(poller.poll(wait_ms))
-            if events:
-                self.workers.wake()  # an arrival, abort or result may change the plan
-            if frontends.socket in events:
-                _drain(frontends, self.frontends.on_message, self.frontends.bad)
-            if workers.socket in events:
-                _drain(workers, self._on_worker, self.workers.bad)
-            self.liveness.on_events(events)
-            self.monitor.on_events(events)
-            self.liveness.check()
-            self.workers.send_steps()
-            self.liveness.maybe_heartbeat()
-            self.monitor.maybe_publish()
+        wait_ms = 0 if self.workers.can_step() else int(self.heartbeat_s * 1000)
+        events = dict(poller.poll(wait_ms))
+        if events:
+            self.workers.wake()  # an arrival, abort or result may change the plan
+        if frontends.socket in events:
+            _drain(frontends, self.frontends.on_message, self.frontends.bad)
+        if workers.socket in events:
+            _drain(workers, self._on_worker, self.workers.bad)
+        self.liveness.on_events(events)
+        self.monitor.on_events(events)
+        self.liveness.check()
+        self.workers.send_steps()
+        self.liveness.maybe_heartbeat()
+        self.monitor.maybe_publish()
 
     def _on_worker(self, peer: bytes, message: Any, fd: int | None) -> None:
         self.frontends.publish(self.workers.on_message(peer, message, fd))

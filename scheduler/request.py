@@ -1,6 +1,9 @@
 """Request: the scheduler's record of one request, from arrival to its finish.
 
-The scheduler owns these records; the worker only ever sees StepItems built from them.
+The scheduler owns these records; the worker only ever sees StepItems built from them. A request
+changes only through its transitions (``admit``, ``take_cached``, ``grow``, ``advance``,
+``sampled``, ``offered``, ``release``, ``requeue``, ``finish``), which the scheduler and the
+prefix cache call; they read its fields but never write them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ class RequestStatus(enum.Enum):
     ABORTED = "aborted"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One request's tokens and holdings.
 
@@ -91,8 +94,11 @@ class Request:
         prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
         if stop <= n:
             return prompt[start:stop]
+        output = self.output_token_ids
+        if start >= n + len(output):  # a decode item with overlap: only pending tokens
+            return [PENDING_TOKEN] * (stop - start)
         # Sliced apart, never concatenated whole: a decode step must not cost O(context).
-        known = prompt[start:n] + self.output_token_ids[max(0, start - n) : stop - n]
+        known = prompt[start:n] + output[max(0, start - n) : stop - n]
         return known + [PENDING_TOKEN] * (stop - start - len(known))
 
     def hash_blocks(self, num_blocks: int, block_size: int) -> list[bytes]:
@@ -113,8 +119,13 @@ class Request:
 
     def finish_is_certain(self, max_model_len: int) -> bool:
         """True when a pending token will end the request by length whatever it is."""
-        return self.num_pending > 0 and (
-            self.num_generated >= self.params.max_tokens or self.num_tokens >= max_model_len
+        pending = self.num_pending
+        if not pending:
+            return False
+        generated = len(self.output_token_ids) + pending  # fields, not properties: every step
+        return (
+            generated >= self.params.max_tokens
+            or len(self.prompt_token_ids) + generated >= max_model_len
         )
 
     def stop_reason(
@@ -140,6 +151,56 @@ class Request:
         final = min(self.num_prompt_tokens + self.params.max_tokens, max_model_len)
         return blocks_for(final - 1, block_size)
 
+    # -- transitions ------------------------------------------------------------------------
+    def admit(self, slot: int, block_ids: list[int]) -> None:
+        """Admitted from the waiting queue into ``slot``, holding ``block_ids`` (its prefix-cache
+        hits first, ``take_cached``): running, with K/V for none of its tokens yet."""
+        if self.status is not RequestStatus.WAITING or self.slot is not None or self.block_ids:
+            raise RuntimeError(f"request {self.request_id} is admitted twice")
+        self.status = RequestStatus.RUNNING
+        self.slot = slot
+        self.block_ids = block_ids
+        self.admission_blocks = len(block_ids)
+
+    def take_cached(self, num_blocks: int, block_size: int) -> None:
+        """Its first ``num_blocks`` blocks, just admitted, are prefix-cache hits: their K/V is
+        computed already, and they are in the index."""
+        self.num_blocks_cached = num_blocks
+        self.num_computed = num_blocks * block_size
+        if self.num_cached_tokens is None:  # its first admission's, for the frontend
+            self.num_cached_tokens = self.num_computed
+
+    def grow(self, block_ids: list[int]) -> None:
+        """New blocks for its next tokens, after the ones it holds."""
+        self.block_ids += block_ids
+
+    def advance(self, n: int) -> tuple[list[int], bool]:
+        """Its next ``n`` tokens are scheduled: they count as computed at once (see the class
+        docstring), and a chunk that reaches its last token samples the next (a pending token).
+        Returns the blocks its cache row has not been told of yet, and whether it samples."""
+        computed = self.num_computed + n
+        new_blocks = self.block_ids[self.blocks_sent :]
+        self.blocks_sent = len(self.block_ids)
+        self.num_computed = computed
+        if computed > self.high_water:
+            self.high_water = computed
+        pending = self.num_pending
+        sample = computed == len(self.prompt_token_ids) + len(self.output_token_ids) + pending
+        if sample:
+            self.num_pending = pending + 1
+        return new_blocks, sample
+
+    def sampled(self, token_id: int) -> None:
+        """Its oldest pending token came back: it is ``token_id``."""
+        if self.num_pending < 1:
+            raise RuntimeError(f"request {self.request_id} has no pending token")
+        self.num_pending -= 1
+        self.output_token_ids.append(token_id)
+
+    def offered(self, num_blocks: int) -> None:
+        """Its first ``num_blocks`` blocks are in the prefix cache's index now."""
+        self.num_blocks_cached = num_blocks
+
     def release(self) -> None:
         """Its blocks and slot went back to the ledgers: nothing held, nothing computed."""
         self.block_ids, self.blocks_sent, self.slot = [], 0, None
@@ -152,3 +213,10 @@ class Request:
         self.num_pending = 0
         self.epoch += 1
         self.num_preemptions += 1
+
+    def finish(self, reason: str) -> None:
+        """It ended (after ``release``, or holding nothing): "stop" or "length", or "abort"."""
+        if self.slot is not None or self.block_ids:
+            raise RuntimeError(f"request {self.request_id} ends holding a slot or blocks")
+        self.status = RequestStatus.ABORTED if reason == "abort" else RequestStatus.FINISHED
+        self.finish_reason = reason

@@ -25,7 +25,6 @@ stops on EOS or a stop token runs one surplus step, whose token is dropped.
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 
 from protocol.messages import SamplingParams
@@ -34,10 +33,12 @@ from scheduler.block_allocator import BlockAllocator
 from scheduler.errors import RequestRejected
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import Request, RequestStatus
+from scheduler.slots import Slots
 
 
 class Scheduler:
-    """The block and slot ledgers plus the waiting and running queues."""
+    """The block and slot ledgers (``BlockAllocator``, ``Slots``) plus the waiting and running
+    queues."""
 
     def __init__(
         self,
@@ -49,8 +50,8 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         prefix_caching: bool = True,
     ) -> None:
-        if num_slots < 1 or token_budget < 1:
-            raise ValueError(f"need num_slots, token_budget >= 1: {num_slots}, {token_budget}")
+        if token_budget < 1:
+            raise ValueError(f"need token_budget >= 1, got {token_budget}")
         if watermark_blocks is None:
             watermark_blocks = int(0.01 * allocator.num_blocks)
         if not 0 <= watermark_blocks <= allocator.num_blocks:
@@ -58,6 +59,7 @@ class Scheduler:
                 f"watermark_blocks {watermark_blocks} outside 0..{allocator.num_blocks}"
             )
         self.allocator = allocator
+        self.slots = Slots(num_slots)
         self.num_slots = num_slots
         self.token_budget = token_budget
         self.watermark_blocks = watermark_blocks
@@ -67,8 +69,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
-        self._free_slots: list[int] = list(range(num_slots))  # a heap: lowest slot first
-        self._pending_releases: list[int] = []  # freed slots the worker has not been told of
         self._next_arrival = 0
         self.num_preemptions_total = 0
         self.thrashed_admissions = 0
@@ -77,19 +77,9 @@ class Scheduler:
 
     # -- the ledgers, as the auditor reads them -----------------------------------------------
     @property
-    def free_slots(self) -> list[int]:
-        """The free slot ids, sorted (duplicates kept, so the auditor can see them)."""
-        return sorted(self._free_slots)
-
-    @property
     def known_ids(self) -> frozenset[str]:
         """Ids of every request waiting or running."""
         return frozenset(self._requests)
-
-    @property
-    def pending_releases(self) -> tuple[int, ...]:
-        """Slots freed since the last schedule(); the worker empties them with the next step."""
-        return tuple(self._pending_releases)
 
     @property
     def admissible_blocks(self) -> int:
@@ -159,14 +149,14 @@ class Scheduler:
         else:
             self.running.remove(request)
             self._give_back(request)
-        self._forget(request, RequestStatus.ABORTED, "abort")
+        self._forget(request, "abort")
         return request
 
     def finish(self, request: Request, reason: str) -> None:
         """A running request is done: free its blocks and slot."""
         self.running.remove(request)
         self._give_back(request)
-        self._forget(request, RequestStatus.FINISHED, reason)
+        self._forget(request, reason)
 
     # -- one iteration ----------------------------------------------------------------------------
     def schedule(self) -> Batch:
@@ -177,28 +167,33 @@ class Scheduler:
         # Phase 2: admit from the head of the waiting queue.
         self._admit(chunks, budget)
         # Phase 3: offer the index the blocks this step fills, after admission (PrefixCache).
-        for chunk in chunks:
-            self.cache.offer(chunk.request)
-        released, self._pending_releases = self._pending_releases, []
-        return Batch(chunks, released)
+        self.cache.offer_all([chunk.request for chunk in chunks])
+        return Batch(chunks, self.slots.take_releases())
 
     def _grow(self, chunks: list[ScheduledChunk], budget: int) -> int:
+        size, max_len, running = (
+            self.allocator.block_size,
+            self.max_model_len,
+            RequestStatus.RUNNING,
+        )
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted a moment ago to make room for an older request
-            if request.finish_is_certain(self.max_model_len):
+            if request.finish_is_certain(max_len):
                 continue  # its in-flight sample ends it by length: no surplus step
             n = min(request.num_tokens - request.num_computed, budget)
-            if self._reserve_blocks(request, request.num_computed + n):
-                chunks.append(self._chunk(request, n))
-                budget -= n
+            # ceil((computed + n) / size) blocks: most decode steps need no new one.
+            missing = -(-(request.num_computed + n) // size) - len(request.block_ids)
+            if missing > 0 and not self._reserve_blocks(request, missing):
+                continue
+            chunks.append(self._chunk(request, n))
+            budget -= n
         return budget
 
-    def _reserve_blocks(self, request: Request, length: int) -> bool:
-        """Give ``request`` blocks for ``length`` tokens; False if it was preempted instead."""
-        missing = self.allocator.blocks_for_length(length) - len(request.block_ids)
+    def _reserve_blocks(self, request: Request, missing: int) -> bool:
+        """Give ``request`` ``missing`` more blocks; False if it was preempted instead."""
         while missing > self.allocator.num_free:
             victim = self.running[-1]  # the newest gives way; the oldest never does
             if victim is self.running[0]:
@@ -206,14 +201,13 @@ class Scheduler:
             self._preempt(victim)
             if victim is request:
                 return False
-        if missing > 0:
-            request.block_ids += self._allocate(request, missing)
+        request.grow(self._allocate(request, request.block_ids, missing))
         return True
 
-    def _allocate(self, request: Request, n: int) -> list[int]:
-        """``n`` new blocks for ``request``: after its last one, with room for all it may reach,
-        at most an even share of the pool (BlockAllocator.allocate)."""
-        ids, share = request.block_ids, max(1, self.allocator.num_blocks // self.num_slots)
+    def _allocate(self, request: Request, ids: list[int], n: int) -> list[int]:
+        """``n`` new blocks for ``request``, which holds ``ids``: after the last of them, with
+        room for all it may reach, at most an even share of the pool (BlockAllocator.allocate)."""
+        share = max(1, self.allocator.num_blocks // self.num_slots)
         most = request.most_blocks(self.allocator.block_size, self.max_model_len)
         room = min(most, len(ids) + share) - len(ids)
         return self.allocator.allocate(n, after=ids[-1] if ids else None, room=room)
@@ -236,10 +230,10 @@ class Scheduler:
         while self.running:
             self._preempt(self.running[-1])
         self.allocator.clear_cache()
-        self._pending_releases = list(range(self.num_slots))
+        self.slots.release_all()
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
-        while self.waiting and self._free_slots and budget > 0:
+        while self.waiting and self.slots.any_free() and budget > 0:
             request = self.waiting[0]
             hits = self.cache.lookup(request)
             need = self.allocator.blocks_for_length(request.num_tokens)
@@ -256,27 +250,20 @@ class Scheduler:
 
     def _start(self, request: Request, hits: list[int], need: int) -> None:
         """Admit the waiting head: a slot, its hits shared, the rest of its blocks new."""
-        request.status = RequestStatus.RUNNING
-        request.slot = heapq.heappop(self._free_slots)
-        request.block_ids = self.allocator.take(hits)
-        request.block_ids += self._allocate(request, need - len(hits))
-        request.admission_blocks = need
-        self.cache.admitted(request, hits)
+        blocks = self.allocator.take(hits)
+        blocks += self._allocate(request, blocks, need - len(hits))
+        request.admit(self.slots.take(), blocks)
+        self.cache.admitted(request, len(hits))
         self.running.append(request)
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
-        """Schedule ``n`` tokens of ``request`` and account for them as computed (see Overlap)."""
-        start = request.num_computed
+        """Schedule ``n`` tokens of ``request``, computed from here on (see Overlap)."""
+        start, high_water = request.num_computed, request.high_water
         fresh = request.blocks_sent == 0
-        new_blocks = request.block_ids[request.blocks_sent :]
-        request.blocks_sent = len(request.block_ids)
         self.tokens_scheduled += n
-        self.tokens_recomputed += max(0, min(start + n, request.high_water) - start)
-        sample = start + n == request.num_tokens
-        request.num_computed = start + n
-        request.high_water = max(request.high_water, request.num_computed)
-        if sample:
-            request.num_pending += 1
+        if start < high_water:  # K/V it had before a preemption, bought again
+            self.tokens_recomputed += min(start + n, high_water) - start
+        new_blocks, sample = request.advance(n)
         return ScheduledChunk(request, start, n, sample, new_blocks, request.epoch, fresh)
 
     # -- results ----------------------------------------------------------------------------------
@@ -287,10 +274,7 @@ class Scheduler:
 
     def on_sampled(self, request: Request, token_id: int) -> str | None:
         """The oldest pending token of a running request is ``token_id``: why it ends, or None."""
-        if request.num_pending < 1:
-            raise RuntimeError(f"request {request.request_id} has no pending token")
-        request.num_pending -= 1
-        request.output_token_ids.append(token_id)
+        request.sampled(token_id)
         self.cache.offer(request)
         return request.stop_reason(token_id, self.eos_token_ids, self.max_model_len)
 
@@ -299,11 +283,9 @@ class Scheduler:
         # Deepest first: a chain's tail is then evicted before its (more shared) head.
         self.allocator.free_all(request.block_ids[::-1])
         if request.slot is not None:
-            heapq.heappush(self._free_slots, request.slot)
-            self._pending_releases.append(request.slot)
+            self.slots.give_back(request.slot)
         request.release()
 
-    def _forget(self, request: Request, status: RequestStatus, reason: str) -> None:
-        request.status = status
-        request.finish_reason = reason
+    def _forget(self, request: Request, reason: str) -> None:
+        request.finish(reason)
         del self._requests[request.request_id]

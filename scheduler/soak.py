@@ -150,5 +150,5 @@ def _check_everything_back(engine: Engine, worker: WorkerLike, iteration: int) -
             f"at the end: {sched.allocator.num_free} blocks free of {sched.allocator.num_blocks}"
         )
     busy = [r.slot for r in rows if r.request_id is not None or r.block_ids or r.num_cached]
-    if busy or len(sched.free_slots) != sched.num_slots:
-        raise InvariantViolation(f"at the end: slot {busy[:1] or sched.free_slots} is not empty")
+    if busy or len(sched.slots.free) != sched.num_slots:
+        raise InvariantViolation(f"at the end: slot {busy[:1] or sched.slots.free} is not empty")

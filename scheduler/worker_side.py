@@ -1,10 +1,10 @@
 """WorkerSide: the scheduler process's dealings with its one worker.
 
-It owns the Engine (built when the first worker announces its geometry), the worker's socket
-and what the scheduler knows of the worker: who it is, when it was last heard, when it was
-lost. It greets a worker it does not know, takes its announcement, sends it steps and applies
-their results. It knows nothing of frontends: every handler returns ``WorkerNews``, what the
-frontends must hear, and the process passes that on to ``FrontendSide.publish``.
+It owns the worker's socket and what the scheduler knows of the worker: who it is, when it was
+last heard, when it was lost. It greets a worker it does not know, fits the process's Engine to
+its announcement, sends it steps and applies their results. It knows nothing of frontends:
+every handler returns ``WorkerNews``, what the frontends must hear, and the process passes that
+on to ``FrontendSide.publish``.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from protocol.messages import (
     WorkerToScheduler,
 )
 from scheduler.audit_log import AuditLog
-from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
-from scheduler.peers import WorkerPeer, geometry
+from scheduler.peers import WorkerPeer
+from scheduler.sizing import geometry
 
 log = logging.getLogger("nanoserve.scheduler")
 
@@ -46,12 +46,11 @@ class WorkerNews:
 
 
 class WorkerSide:
-    """The engine, the worker's socket and the worker as the scheduler sees it."""
+    """The worker's socket and the worker as the scheduler sees it; it steps the engine."""
 
-    def __init__(self, channel: Channel[WorkerToScheduler], config: SchedulerConfig) -> None:
+    def __init__(self, channel: Channel[WorkerToScheduler], engine: Engine) -> None:
         self.channel = channel
-        self.config = config
-        self.engine: Engine | None = None
+        self._engine = engine
         self.worker: WorkerPeer | None = None
         self.lost_since: float | None = None  # monotonic time the last worker was lost
         self.no_worker_reason = "no worker has announced itself yet"
@@ -68,20 +67,24 @@ class WorkerSide:
     # -- what the frontends are told --------------------------------------------------------
 
     @property
+    def engine(self) -> Engine | None:
+        """The process's engine once a worker has sized it, None before (the monitor reads it)."""
+        return self._engine if self._engine.fitted else None
+
+    @property
     def steps_in_flight(self) -> int:
         """Steps sent to the current worker whose results have not come back (the engine keeps
         that ledger, and forgets a lost worker's steps with it)."""
-        if self.worker is None or self.engine is None:
-            return 0
-        return self.engine.num_in_flight
+        return self._engine.num_in_flight if self.worker is not None else 0
 
     def accepts_requests(self) -> bool:
         """True while requests can be queued: a worker is ready, or one was lost lately and
         may come back."""
-        return self.engine is not None and (self.worker is not None or self.lost_since is not None)
+        return self._engine.fitted and (self.worker is not None or self.lost_since is not None)
 
     def info(self) -> SchedulerInfo:
-        """The SchedulerInfo every frontend gets: the worker's geometry, or why there is none."""
+        """The SchedulerInfo every frontend gets: the worker's geometry and plan, or why there is
+        none."""
         ready = self.worker.ready if self.worker else None
         return SchedulerInfo(
             protocol_version=PROTOCOL_VERSION,
@@ -91,13 +94,13 @@ class WorkerSide:
             num_blocks=ready.num_blocks if ready else 0,
             block_size=ready.block_size if ready else 0,
             reason="" if ready else self.no_worker_reason,
+            worker_plan=dict(ready.plan) if ready else {},
         )
 
     def stats(self) -> EngineStats:
         """The engine's stats with this side's own gauges and counters."""
-        base = self.engine.stats() if self.engine is not None else EngineStats()
         return msgspec.structs.replace(
-            base,
+            self._engine.stats(),
             worker_ready=self.worker is not None,
             steps_in_flight=self.steps_in_flight,
             worker_resident_bytes=self.worker.resident_bytes if self.worker else 0,
@@ -161,26 +164,24 @@ class WorkerSide:
                 PROTOCOL_VERSION,
             )
             return None
-        fail_reason, outputs = None, []
-        if self.engine is not None and geometry(self.engine.ready_info) != geometry(ready):
-            log.error("the new worker's cache geometry differs: %s", geometry(ready))
-            fail_reason = "the worker was replaced by one with a different model or cache"
-            self.engine = None
-        if self.engine is None:
-            try:
-                self.engine = Engine(ready, self.config)
-            except ValueError as exc:
-                self.bad(f"a worker that does not fit this scheduler: {exc}")
-                return WorkerNews(fail_reason=fail_reason)
-        else:
-            self.engine.worker_lost()  # running requests go back to waiting with their tokens
-            if ready.num_blocks != self.engine.ready_info.num_blocks:
-                outputs = self.engine.adopt_pool(ready)
-                log.warning(
-                    "the new worker's pool has %d blocks: %d requests no longer fit",
-                    ready.num_blocks,
-                    len(outputs),
-                )
+        engine, before = self._engine, self._engine.ready_info
+        try:
+            outputs = engine.fit(ready)
+        except ValueError as exc:
+            self.bad(f"a worker that does not fit this scheduler: {exc}")
+            return None
+        if before is not None and geometry(before) != geometry(ready):
+            log.error(
+                "the new worker's cache geometry differs (%s): %d requests end",
+                geometry(ready),
+                len(outputs),
+            )
+        elif before is not None and before.num_blocks != ready.num_blocks:
+            log.warning(
+                "the new worker's pool has %d blocks: %d requests no longer fit",
+                ready.num_blocks,
+                len(outputs),
+            )
         lost_for = time.monotonic() - self.lost_since if self.lost_since is not None else None
         self.worker = WorkerPeer(peer=peer, ready=ready, last_seen=time.monotonic(), fd=fd)
         self.lost_since = None
@@ -194,12 +195,13 @@ class WorkerSide:
             "s" if ready.tensor_parallel_size > 1 else "",
             f", {lost_for:.2f} s after the last one was lost" if lost_for is not None else "",
         )
-        return WorkerNews(outputs=outputs, fail_reason=fail_reason, changed=True)
+        log.info("worker plan: %s", " ".join(f"{k}={v}" for k, v in ready.plan.items()) or "none")
+        return WorkerNews(outputs=outputs, changed=True)
 
     def _step_done(self, peer: bytes, result: StepResult) -> WorkerNews | None:
         """Apply the oldest step's result (and audit); its outputs go to the frontends."""
-        worker, engine = self.worker, self.engine
-        if worker is None or engine is None or peer != worker.peer or not engine.num_in_flight:
+        worker, engine = self.worker, self._engine
+        if worker is None or peer != worker.peer or not engine.num_in_flight:
             return None
         if result.step_id != engine.in_flight[0].step_id:
             log.warning("stale result for step %d dropped", result.step_id)
@@ -215,7 +217,7 @@ class WorkerSide:
             engine.worker_lost()  # the steps in flight too: their results come stale
             return None
         outputs = engine.apply(result)
-        if self.config.audit:
+        if engine.config.audit:
             # InvariantViolation ends the process, loudly (the log keeps it for the web page)
             self.audits.run(lambda: engine.audit(result.rows))
         self.busy_s += time.thread_time() - started
@@ -225,10 +227,9 @@ class WorkerSide:
 
     def can_step(self) -> bool:
         """True if a step could be planned and sent right now."""
-        engine = self.engine
+        engine = self._engine
         return (
             self.worker is not None
-            and engine is not None
             and engine.can_plan()
             and engine.has_unfinished()
             and not self._nothing_to_plan
@@ -240,8 +241,8 @@ class WorkerSide:
 
     def send_steps(self) -> None:
         """Send steps while fewer than the engine's depth are in flight and there is work."""
-        engine, worker = self.engine, self.worker
-        if engine is None or worker is None:
+        engine, worker = self._engine, self.worker
+        if worker is None:
             return
         while self.can_step():
             started = time.thread_time()
@@ -258,10 +259,9 @@ class WorkerSide:
         """The worker is gone, its rows with it: running requests wait to be recomputed."""
         if self.worker is None:
             return None
-        running = self.engine.stats().num_running if self.engine is not None else 0
+        running = len(self._engine.scheduler.running) if self._engine.fitted else 0
         log.error("worker lost (%s): %d running requests go back to waiting", why, running)
-        if self.engine is not None:
-            self.engine.worker_lost()
+        self._engine.worker_lost()
         self.worker = None
         self.workers_lost += 1
         self.lost_since = time.monotonic()

@@ -1,6 +1,7 @@
-"""``nanoserve bench scheduler``: the time of one schedule() with 256 running requests and of
-one full audit of a 100k-block pool with shared and cached blocks (torch-free, no model),
-prefix caching on as served."""
+"""``nanoserve bench scheduler``: with 256 running requests, the time of one schedule() and of
+planning one step, and the scheduler loop's CPU per output token; then one full audit of a
+100k-block pool with shared and cached blocks (torch-free, no model, prefix caching on as
+served). ``--audit-blocks 0`` leaves the audit out."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register the command."""
     p = subparsers.add_parser("scheduler", help="time schedule() and the audit")
     p.add_argument("--running", type=int, default=256, help="running requests for schedule()")
-    p.add_argument("--audit-blocks", type=int, default=100_000, help="pool size for the audit")
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument(
+        "--audit-blocks", type=int, default=100_000, help="pool size for the audit (0: no audit)"
+    )
+    p.add_argument("--repeats", type=int, default=20, help="timings of schedule() and plan()")
+    p.add_argument("--steps", type=int, default=200, help="steps of the loop's CPU measurement")
     p.set_defaults(func=run)
 
 
@@ -106,16 +110,27 @@ def _finish_all(sched, num_requests: int, blocks_each: int, salt: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print both figures."""
-    if args.running < 1 or args.audit_blocks < 1024 or args.repeats < 1:
-        raise ValueError("need --running >= 1, --audit-blocks >= 1024, --repeats >= 1")
-    schedule_s = time_schedule(args.running, args.repeats)
-    audit_s, held, shared, cached = time_audit(args.audit_blocks, max(3, args.repeats // 4))
+    """Print the figures."""
+    from nanoserve.bench.scheduler_loop import loop_cpu_per_token, time_plan
+
+    if args.running < 1 or args.repeats < 1 or args.steps < 1:
+        raise ValueError("need --running >= 1, --repeats >= 1, --steps >= 1")
+    if args.audit_blocks and args.audit_blocks < 1024:
+        raise ValueError("need --audit-blocks >= 1024, or 0 for no audit")
+    n = args.running
+    schedule_s = time_schedule(n, args.repeats)
+    print(f"schedule() with {n} running requests: {schedule_s * 1e3:.3f} ms")
+    plan_s = time_plan(n, args.repeats)
+    print(f"plan a step (Engine.plan) with {n} running: {plan_s * 1e3:.3f} ms (aim < 1 ms)")
+    cost = loop_cpu_per_token(n, args.steps)
     print(
-        f"schedule() with {args.running} running requests: {schedule_s * 1e3:.3f} ms (aim < 1 ms)"
+        f"scheduler loop CPU per output token with {n} running: {cost.per_token_us:.2f} us "
+        f"({cost.cpu_s / cost.steps * 1e3:.3f} ms a step over {cost.steps} steps)"
     )
-    print(
-        f"full audit of a {args.audit_blocks}-block pool ({held} held, {shared} shared, {cached} "
-        f"cached): {audit_s * 1e3:.2f} ms (aim < 20 ms)"
-    )
+    if args.audit_blocks:
+        audit_s, held, shared, cached = time_audit(args.audit_blocks, max(3, args.repeats // 4))
+        print(
+            f"full audit of a {args.audit_blocks}-block pool ({held} held, {shared} shared, "
+            f"{cached} cached): {audit_s * 1e3:.2f} ms (aim < 20 ms)"
+        )
     return 0

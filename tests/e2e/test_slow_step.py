@@ -7,6 +7,7 @@ from the scheduler, sent from its loop while the worker is still busy."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import aiohttp
@@ -101,7 +102,14 @@ async def test_the_next_step_is_queued_while_one_computes(slow_server, tmp_path)
         response = await asyncio.wait_for(task, timeout=60)
         text = (await response.json())["choices"][0]["text"]
     # Each result carries the worker's resident memory: the weights alone are over 128 MiB.
-    assert slow_server.metrics()["nanoserve:worker_resident_memory_bytes"] > 2**27
+    # Read right after the reply: the output that ended it brought the gauges.
+    metrics = slow_server.metrics()
+    assert metrics["nanoserve:worker_resident_memory_bytes"] > 2**27
+    # The worker's plan, from its WorkerReady: in the scheduler's log and on /metrics.
+    (plan,) = [name for name in metrics if name.startswith("nanoserve:worker_plan_info{")]
+    assert {"device", "dtype", "attention"} <= set(re.findall(r'(\w+)="', plan))
+    assert 'device="cpu"' in plan
+    assert "worker plan: device=cpu" in (slow_server.log_dir / "scheduler.log").read_text()
     flags = ("--max-tokens", "4", "--temperature", "0", "--disable-overlap")
     (offline,) = generate_offline(tmp_path, [{"prompt": "The sea is"}], *flags)
     assert text and text == offline["text"]

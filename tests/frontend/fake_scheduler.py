@@ -2,7 +2,9 @@
 
 It answers FrontendHello with SchedulerInfo and each AddRequest with the tokens of a fixed reply
 (one token per Outputs message), finishing with "length" at max_tokens or with an EOS token and
-"stop". It records every message it receives, so tests can assert on adds and aborts.
+"stop". As the real scheduler does, it sends its gauges on every heartbeat and with the output
+that ends a request. It records every message it receives, so tests can assert on adds and
+aborts.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class FakeScheduler:
         worker_ready: bool = True,
         token_delay: float = 0.0,
         protocol_version: int = PROTOCOL_VERSION,
+        worker_plan: dict[str, str] | None = None,
+        heartbeat_s: float = 0.1,
+        beat_stats: bool = True,
     ) -> None:
         self.address = address
         self.reply = reply
@@ -53,6 +58,10 @@ class FakeScheduler:
         self.worker_ready = worker_ready
         self.token_delay = token_delay
         self.protocol_version = protocol_version
+        self.worker_plan = worker_plan or {}
+        self.heartbeat_s = heartbeat_s
+        self.beat_stats = beat_stats  # False: gauges come only with the outputs that end
+        self.num_waiting = 0  # what the gauges report as waiting (tests set it)
         self.adds: list[AddRequest] = []
         self.aborts: list[str] = []
         self.aborted = asyncio.Event()
@@ -87,6 +96,7 @@ class FakeScheduler:
             worker_ready=self.worker_ready,
             model_id="fake",
             **self.geometry,
+            worker_plan=self.worker_plan,
         )
 
     async def send_raw(self, frames: list[bytes]) -> None:
@@ -122,9 +132,11 @@ class FakeScheduler:
 
     async def _heartbeat(self) -> None:
         while True:
+            stats = self.stats() if self.beat_stats else None
+            beat = Heartbeat(sender="fake", time=0.0, stats=stats)
             for peer in list(self.peers):
-                await self._channel.asend(Heartbeat(sender="fake", time=0.0), peer)
-            await asyncio.sleep(0.1)
+                await self._channel.asend(beat, peer)
+            await asyncio.sleep(self.heartbeat_s)
 
     async def _generate(self, peer: bytes, request: AddRequest) -> None:
         tokens = self.reply(request)
@@ -138,9 +150,11 @@ class FakeScheduler:
             elif position + 1 == params.max_tokens:
                 finish = "length"
             self.steps += 1
+            if finish is not None:  # its gauges count it ended, as the scheduler's do
+                self._tasks.pop(request.request_id, None)
             await self._channel.asend(self._outputs(request, token, finish), peer)
             if finish is not None:
-                break
+                return
         self._tasks.pop(request.request_id, None)
 
     def _outputs(self, request: AddRequest, token: int, finish: str | None) -> Outputs:
@@ -157,11 +171,15 @@ class FakeScheduler:
             top_logprobs=top,
             num_cached_tokens=self.cached_tokens,
         )
-        stats = EngineStats(
+        return Outputs(outputs=[output], stats=self.stats() if finish is not None else None)
+
+    def stats(self) -> EngineStats:
+        """The gauges, as of now."""
+        return EngineStats(
             num_running=len(self._tasks),
+            num_waiting=self.num_waiting,
             kv_blocks_total=self.geometry["num_blocks"],
             kv_blocks_used=len(self._tasks),
             num_steps_total=self.steps,
             worker_ready=self.worker_ready,
         )
-        return Outputs(outputs=[output], stats=stats)

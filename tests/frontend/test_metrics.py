@@ -67,3 +67,15 @@ def test_the_decode_path_is_one_state_of_an_enum() -> None:
     text = metrics.render().decode()
     assert 'nanoserve:worker_decode_path{nanoserve_worker_decode_path="compiled"} 1.0' in text
     assert 'nanoserve:worker_decode_path{nanoserve_worker_decode_path="compiling"} 0.0' in text
+
+
+def test_the_workers_plan_is_one_info_series_with_valid_labels() -> None:
+    metrics = Metrics()
+    metrics.observe_plan({"device": "cpu", "kv dtype": "bfloat16", "__name__": "x", "1st": "y"})
+    text = metrics.render().decode()
+    (line,) = [line for line in text.splitlines() if line.startswith("nanoserve:worker_plan_info")]
+    assert line == (
+        'nanoserve:worker_plan_info{device="cpu",key_1st="y",kv_dtype="bfloat16",name__="x"} 1.0'
+    )
+    metrics.observe_plan({})  # no worker is ready: no plan
+    assert "nanoserve:worker_plan_info 1.0" in metrics.render().decode()

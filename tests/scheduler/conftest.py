@@ -69,7 +69,7 @@ def assert_all_back(engine: Engine) -> None:
         engine.apply(engine.worker.execute(step))
     sched = engine.scheduler
     assert sched.allocator.num_free == sched.allocator.num_blocks
-    assert sched.free_slots == list(range(sched.num_slots))
+    assert sched.slots.free == list(range(sched.num_slots))
     assert all(
         r.request_id is None and not r.block_ids and r.num_cached == 0 for r in engine.worker.rows()
     )

@@ -81,7 +81,7 @@ def test_pool_block_out_of_range(eng: Engine) -> None:
 # -- audit_slots -----------------------------------------------------------------------------
 def test_slot_listed_free_twice() -> None:
     engine = make_engine(num_slots=3)
-    heapq.heappush(engine.scheduler._free_slots, 1)
+    heapq.heappush(engine.scheduler.slots._free, 1)
     run(audit_slots, engine, match="slot 1 is listed free 2 times")
 
 
@@ -101,24 +101,24 @@ def test_slot_held_twice(eng: Engine) -> None:
 
 
 def test_slot_free_and_held(eng: Engine) -> None:
-    heapq.heappush(eng.scheduler._free_slots, 2)
+    heapq.heappush(eng.scheduler.slots._free, 2)
     run(audit_slots, eng, match="slot 2 is free but request r2 holds it")
 
 
 def test_slot_neither_free_nor_held() -> None:
     engine = make_engine(num_slots=3)
-    engine.scheduler._free_slots.remove(1)
+    engine.scheduler.slots._free.remove(1)
     run(audit_slots, engine, match="slot 1 is neither free nor held")
 
 
 def test_slot_free_out_of_range() -> None:
     engine = make_engine(num_slots=3)
-    heapq.heappush(engine.scheduler._free_slots, 5)
+    heapq.heappush(engine.scheduler.slots._free, 5)
     run(audit_slots, engine, match="slot 5 is listed free but out of range")
 
 
 def test_slot_pending_release_not_free(eng: Engine) -> None:
-    eng.scheduler._pending_releases.append(1)
+    eng.scheduler.slots._pending.append(1)
     run(audit_slots, eng, match="slot 1 awaits release but is not free")
 
 

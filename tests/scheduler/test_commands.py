@@ -30,14 +30,17 @@ def test_sweep_watermark_bad_reserves_is_one_line(capsys: pytest.CaptureFixture[
     assert capsys.readouterr().err.count("\n") == 1
 
 
-def test_bench_scheduler_prints_both_figures(capsys: pytest.CaptureFixture[str]) -> None:
-    assert (
-        main(["bench", "scheduler", "--running", "32", "--audit-blocks", "4096", "--repeats", "3"])
-        == 0
-    )
+def test_bench_scheduler_prints_every_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "scheduler", "--running", "32", "--repeats", "3", "--steps", "20"]
+    assert main([*args, "--audit-blocks", "4096"]) == 0
     out = capsys.readouterr().out
     assert "schedule() with 32 running requests:" in out
+    assert "plan a step (Engine.plan) with 32 running:" in out
+    loop = re.search(r"CPU per output token with 32 running: ([0-9.]+) us .* over (\d+) steps", out)
+    assert loop is not None and float(loop.group(1)) > 0 and int(loop.group(2)) >= 20
     assert "full audit of a 4096-block pool" in out
+    assert main([*args, "--audit-blocks", "0"]) == 0
+    assert "full audit" not in capsys.readouterr().out
 
 
 def test_soak_with_a_leak_exits_non_zero_naming_the_block(

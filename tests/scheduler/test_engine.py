@@ -94,7 +94,7 @@ def test_abort_running_request_frees_at_once() -> None:
     engine.step()
     engine.abort("a")
     assert engine.scheduler.allocator.num_free == 16
-    assert engine.scheduler.pending_releases == (0,)
+    assert engine.scheduler.slots.pending_releases == (0,)
     engine.audit(engine.worker.rows())  # the row still shows "a": its release is pending
     assert engine.worker.rows()[0].request_id == "a"
     assert_all_back(engine)
@@ -191,9 +191,8 @@ def test_a_new_worker_with_another_pool_size_takes_the_requests_it_can_hold() ->
     outs: dict[str, list[int]] = {f"r{i}": [] for i in range(3)} | {"big": []}
     for out in engine.step():
         outs[out.request_id] += out.new_token_ids
-    engine.worker_lost()
     engine.worker = SimWorker(10, 4, 3)
-    (failed,) = engine.adopt_pool(engine.worker.ready())
+    (failed,) = engine.fit(engine.worker.ready())  # the lost worker's successor
     assert failed.request_id == "big" and failed.finish_reason == "error"
     assert "pool of 10 blocks cannot hold" in failed.error
     assert engine.scheduler.allocator.num_blocks == 10 and engine.ready_info.num_blocks == 10

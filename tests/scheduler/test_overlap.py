@@ -101,7 +101,7 @@ def test_a_worker_lost_with_two_steps_in_flight_releases_every_row() -> None:
     first, _ = engine.plan(), engine.plan()
     engine.worker.execute(first)  # the worker ran one step, then was lost
     engine.worker_lost()
-    assert engine.in_flight == [] and engine.scheduler.pending_releases == (0, 1, 2)
+    assert engine.in_flight == [] and engine.scheduler.slots.pending_releases == (0, 1, 2)
     tokens = []
     while engine.has_unfinished():
         tokens += [t for out in engine.step() for t in out.new_token_ids]
