@@ -129,7 +129,7 @@ async def test_the_page_loads_with_a_strict_policy(server):
             source = await response.text()
         modules.add(path)
         queue += set(re.findall(r'from "\./([\w.]+\.js)"', source)) - modules
-    assert {"page.js", "pool_map.js", "chat.js"} <= modules
+    assert {"page.js", "stream.js", "status.js", "health.js", "pool_map.js"} <= modules
     async with server.http.get(server.url + "/static/vendor/uPlot.LICENSE") as response:
         assert "MIT License" in await response.text()
 
