@@ -2,9 +2,9 @@
 
 The scheduler binds an XPUB socket (``Addresses.monitor``) and, only while some frontend
 subscribes, publishes one ``PoolSnapshot`` a few times a second. Frontends relay it to browsers.
-Same conventions as ``messages.py``: ``array_like`` structs, fields only ever appended with
-defaults, the greeting field ``protocol_version`` first. Nothing here carries prompt text:
-request ids, counts and states only.
+Same conventions as ``messages.py``: ``array_like`` structs, ``kw_only`` on each class, fields
+only ever appended with defaults, the greeting field ``protocol_version`` first. Nothing here
+carries prompt text: request ids, counts and states only.
 
 The pool travels as ``PoolStates``: one byte per block (a bitmap of four states, 5.8 KB for a
 5,825-block pool), copied from the allocator's own ``block_states``, and each running request's
@@ -123,7 +123,8 @@ class MonitorEvent(_Part, kw_only=True):
 
 
 class PoolSnapshot(Message, kw_only=True):
-    """One picture of the scheduler: the pool, the queues, health and the latest events.
+    """One picture of the scheduler: the pool, the queues, health, the latest events, and how
+    this snapshot was paced (``cadence``).
 
     ``requests`` lists every running request first (owner sets index them), then the head of
     the waiting queue, at most ``MAX_WAITING_ROWS``; ``num_waiting`` is the whole queue.
