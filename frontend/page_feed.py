@@ -146,14 +146,23 @@ class PageFeed:
         }
 
     def _link(self) -> dict:
+        """This frontend's own view of the scheduler, sent every ``period_s`` whether or not
+        snapshots come: a page tells a scheduler that throttles its snapshots (``alive``, heard
+        lately) from one that is gone, and knows the worker's state from ``SchedulerInfo``."""
         client = self.client
-        heard = client.last_heard
+        now = time.monotonic()
+        heard, info, latest = client.last_heard, client.info, self.latest
         return {
             "state": client.link.value,
             "problem": client.unavailable_reason(),
-            "heard_s": None if heard is None else round(time.monotonic() - heard, 2),
+            "heard_s": None if heard is None else round(now - heard, 2),
             "in_flight": client.num_in_flight,
             "pages": len(self.watchers),
+            "alive": client.alive,  # heard within the frontend's scheduler_timeout
+            "worker_ready": None if info is None else info.worker_ready,
+            "worker_reason": "" if info is None else info.reason,
+            # since this frontend's latest snapshot (None: none since a page opened)
+            "snapshot_age_s": None if latest is None else round(now - latest[0], 2),
         }
 
     def _frame(self, event: str, data: Any) -> bytes:

@@ -2,9 +2,9 @@
 
 The scheduler binds an XPUB socket (``Addresses.monitor``) and, only while some frontend
 subscribes, publishes one ``PoolSnapshot`` a few times a second. Frontends relay it to browsers.
-Same conventions as ``messages.py``: ``array_like`` structs, fields only ever appended with
-defaults, the greeting field ``protocol_version`` first. Nothing here carries prompt text:
-request ids, counts and states only.
+Same conventions as ``messages.py``: ``array_like`` structs, ``kw_only`` on each class, fields
+only ever appended with defaults, the greeting field ``protocol_version`` first. Nothing here
+carries prompt text: request ids, counts and states only.
 
 The pool travels as ``PoolStates``: one byte per block (a bitmap of four states, 5.8 KB for a
 5,825-block pool), copied from the allocator's own ``block_states``, and each running request's
@@ -34,7 +34,7 @@ class _Part(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True
     """Base of the snapshot's parts."""
 
 
-class RequestRow(_Part):
+class RequestRow(_Part, kw_only=True):
     """One waiting or running request as the page shows it: no text, only counts and ids."""
 
     request_id: str
@@ -51,7 +51,7 @@ class RequestRow(_Part):
     blocks: list[int] = []  # the block ids it holds, in order (a running request's; no text)
 
 
-class PoolStates(_Part):
+class PoolStates(_Part, kw_only=True):
     """The block ledger on the wire: ``states[b]`` is block b's state (FREE..SHARED)."""
 
     num_blocks: int
@@ -60,7 +60,7 @@ class PoolStates(_Part):
     states: bytes
 
 
-class PoolRuns(_Part):
+class PoolRuns(_Part, kw_only=True):
     """The block ledger run-length encoded, as browsers get it (see the module docstring)."""
 
     num_blocks: int
@@ -70,7 +70,7 @@ class PoolRuns(_Part):
     owner_sets: list[list[int]]
 
 
-class AuditRecord(_Part):
+class AuditRecord(_Part, kw_only=True):
     """The last audit between iterations (``--audit``): its result and how long it took."""
 
     ok: bool
@@ -80,7 +80,7 @@ class AuditRecord(_Part):
     count: int = 0  # audits since the engine started
 
 
-class Health(_Part):
+class Health(_Part, kw_only=True):
     """The worker and the scheduler as the scheduler sees them."""
 
     worker: str  # "ready", "lost" (waiting for one to come back) or "none"
@@ -96,9 +96,24 @@ class Health(_Part):
     audit: AuditRecord | None  # None while auditing is off or before the first audit
     uptime_s: float
     monitor_s_total: float  # the scheduler's time building and sending these snapshots
+    # How the ready (or last known) worker runs its steps, as it announced (WorkerReady.plan):
+    # one line per key on the page (attention, linears, dtype, K/V dtype, threads, ...).
+    plan: dict[str, str] = {}
 
 
-class MonitorEvent(_Part):
+class Cadence(_Part, kw_only=True):
+    """How the scheduler paces this feed, so a page can tell a throttled snapshot from a
+    missing one: at most one per ``interval_s``, fewer while the snapshots' CPU time would pass
+    ``budget`` of the scheduler's own, and at least one per ``max_gap_s`` while its loop runs."""
+
+    interval_s: float
+    max_gap_s: float
+    budget: float  # the share of the scheduler's own CPU time the snapshots may take
+    gap_s: float  # since the previous snapshot (0.0 for the first since a frontend subscribed)
+    throttled: bool  # the budget held this snapshot back past ``interval_s``
+
+
+class MonitorEvent(_Part, kw_only=True):
     """Something that happened: a worker lost or back, preemptions, an audit failure."""
 
     seq: int
@@ -107,8 +122,9 @@ class MonitorEvent(_Part):
     text: str
 
 
-class PoolSnapshot(Message):
-    """One picture of the scheduler: the pool, the queues, health and the latest events.
+class PoolSnapshot(Message, kw_only=True):
+    """One picture of the scheduler: the pool, the queues, health, the latest events, and how
+    this snapshot was paced (``cadence``).
 
     ``requests`` lists every running request first (owner sets index them), then the head of
     the waiting queue, at most ``MAX_WAITING_ROWS``; ``num_waiting`` is the whole queue.
@@ -123,6 +139,7 @@ class PoolSnapshot(Message):
     num_waiting: int = 0
     health: Health | None = None
     events: list[MonitorEvent] = []
+    cadence: Cadence | None = None  # None from a scheduler that does not say
 
 
 MAX_WAITING_ROWS = 200

@@ -6,7 +6,9 @@ While watched, ``maybe_publish`` sends one ``PoolSnapshot`` at most every ``inte
 less often when the scheduler has little else to do: the snapshots' CPU time since the page
 opened stays under ``budget`` of the scheduler's own (planning and applying), except that a page
 hears at least every ``max_gap_s``. So an open page costs the scheduler a bounded share of its
-work at any load.
+work at any load. Each snapshot says how it was paced (``Cadence``: the bounds, the gap since
+the last one, whether the budget held it back), so a page can tell a throttled feed from a
+missing one.
 A snapshot is built only while the loop would otherwise wait (for a step's result, or for
 work), so it never holds a step back. Sends never block: a PUB socket drops
 what a slow subscriber cannot take, so no subscriber can slow the scheduler.
@@ -24,7 +26,7 @@ from collections import deque
 import msgspec
 import zmq
 
-from protocol.monitor import AuditRecord, Health, MonitorEvent, PoolSnapshot
+from protocol.monitor import AuditRecord, Cadence, Health, MonitorEvent, PoolSnapshot
 from scheduler.frontend_side import FrontendSide
 from scheduler.snapshot import pool_states, request_rows
 from scheduler.worker_side import WorkerSide
@@ -57,7 +59,10 @@ class Monitor:
         self.busy_s = 0.0  # CPU time building and sending snapshots
         self.sent = 0
         self._next_at = 0.0
-        self._last_at = 0.0  # when the last snapshot went out
+        self._last_at = 0.0  # when the last snapshot went out (0.0: none since watching began)
+        self._held = False  # the budget is holding the next snapshot back past interval_s
+        self._throttled = False  # ... and held the latest one back
+        self._gap_s = 0.0  # between the latest snapshot and the one before
         self._watched_from = (0.0, 0.0)  # (scheduler busy, snapshot busy) when watching began
         self._started = time.monotonic()
         self._encoder = msgspec.msgpack.Encoder()
@@ -81,7 +86,8 @@ class Monitor:
             if frame[:1] == b"\x01":
                 if not self.topics:
                     log.info("the web page's feed is watched")
-                    self._next_at = 0.0
+                    self._next_at = self._last_at = 0.0
+                    self._held = False
                     self._watched_from = (self.workers.busy_s, self.busy_s)
                 self.topics.add(frame[1:])
             elif frame[:1] == b"\x00":
@@ -98,16 +104,22 @@ class Monitor:
             return  # another step goes out first; a later turn of the loop publishes
         scheduler_s, snapshots_s = self._watched_from
         allowed = self.budget * (self.workers.busy_s - scheduler_s)
-        if self.busy_s - snapshots_s > allowed and now - self._last_at < self.max_gap_s:
-            return
-        self.publish()
-        self._last_at = now
+        if self.busy_s - snapshots_s > allowed:
+            self._held = True  # due by the interval, held back by the budget
+            if now - self._last_at < self.max_gap_s:
+                return
+        self.publish(throttled=self._held)
+        self._held = False
         self._next_at = now + self.interval_s
 
-    def publish(self) -> None:
-        """Build and send one snapshot now (dropped if the socket cannot take it)."""
+    def publish(self, *, throttled: bool = False) -> None:
+        """Build and send one snapshot now (dropped if the socket cannot take it);
+        ``throttled``: the budget held it back past ``interval_s``."""
         if self.socket is None:
             return
+        now = time.monotonic()
+        self._gap_s = now - self._last_at if self._last_at else 0.0
+        self._last_at, self._throttled = now, throttled
         started = time.thread_time()
         payload = self._encoder.encode(self.snapshot())
         try:
@@ -139,6 +151,17 @@ class Monitor:
             num_waiting=waiting,
             health=health,
             events=list(self._events),
+            cadence=self.cadence(),
+        )
+
+    def cadence(self) -> Cadence:
+        """How the latest snapshot was paced: the bounds, its gap, whether it was throttled."""
+        return Cadence(
+            interval_s=self.interval_s,
+            max_gap_s=self.max_gap_s,
+            budget=self.budget,
+            gap_s=round(self._gap_s, 3),
+            throttled=self._throttled,
         )
 
     def _health(self, now: float) -> Health:
@@ -171,6 +194,7 @@ class Monitor:
             audit=audit,
             uptime_s=now - self._started,
             monitor_s_total=self.busy_s,
+            plan=dict(known.plan) if known else {},
         )
 
     def _find_events(self, health: Health) -> None:

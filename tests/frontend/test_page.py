@@ -1,11 +1,13 @@
 """The web page's side of the frontend against a fake scheduler and a fake monitor feed: the page
 and its strict policy, the stream's key, the relay of snapshots while (and only while) a page
-is open, and pages that fall behind, stall or vanish."""
+is open, the frontend's own view of the scheduler in every stats frame, and pages that fall
+behind, stall or vanish."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import uuid
 from collections.abc import AsyncIterator
@@ -36,6 +38,7 @@ class PageServer:
     app: web.Application
     feed: zmq.asyncio.Socket  # the fake scheduler's monitor XPUB
     http: aiohttp.ClientSession
+    scheduler: FakeScheduler
 
     def streams(self) -> int:
         return len(self.app[FEED].watchers)
@@ -65,7 +68,7 @@ async def server(tokenizer, request: pytest.FixtureRequest) -> AsyncIterator[Pag
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
     try:
-        yield PageServer(url, app, xpub, http)
+        yield PageServer(url, app, xpub, http, fake)
     finally:
         await http.close()
         await runner.cleanup()
@@ -114,9 +117,19 @@ async def test_the_page_loads_with_a_strict_policy(server):
         assert response.status == 200 and response.content_type == "text/html"
         assert "default-src 'self'" in response.headers["Content-Security-Policy"]
         assert "pool-map" in await response.text()
-    for path in ("page.js", "pool_map.js", "chat.js", "vendor/uPlot.iife.min.js"):
+    async with server.http.get(f"{server.url}/static/vendor/uPlot.iife.min.js") as response:
+        assert response.status == 200
+    # No build step: the browser follows page.js's imports, so each must be served as it is.
+    modules, queue = set(), ["page.js"]
+    while queue:
+        path = queue.pop()
         async with server.http.get(f"{server.url}/static/{path}") as response:
             assert response.status == 200, path
+            assert "javascript" in response.content_type, path
+            source = await response.text()
+        modules.add(path)
+        queue += set(re.findall(r'from "\./([\w.]+\.js)"', source)) - modules
+    assert {"page.js", "stream.js", "status.js", "health.js", "pool_map.js"} <= modules
     async with server.http.get(server.url + "/static/vendor/uPlot.LICENSE") as response:
         assert "MIT License" in await response.text()
 
@@ -161,6 +174,35 @@ async def test_snapshots_flow_only_while_a_page_is_open(server):
     assert await subscription(server.feed) == b"\x00"  # the last page left
     await asyncio.sleep(0.05)
     assert server.streams() == 0
+
+
+async def next_stats(response: aiohttp.ClientResponse) -> dict:
+    """The link of the next stats frame (one a second), skipping other frames."""
+    while True:
+        ((kind, data),) = await events(response, 1)
+        if kind == "stats":
+            return data["link"]
+
+
+async def test_the_stats_say_how_this_frontend_hears_the_scheduler(server):
+    """Every second, whether snapshots come or not: the scheduler heard, the worker ready (its
+    SchedulerInfo), the age of the latest snapshot; and, once it is gone, that it is gone."""
+    async with server.http.get(server.url + "/page/stream") as response:
+        assert await subscription(server.feed) == b"\x01"
+        link = await next_stats(response)
+        assert link["state"] == "greeted" and link["alive"] is True and link["heard_s"] < 2
+        assert link["worker_ready"] is True and link["worker_reason"] == ""
+        assert link["snapshot_age_s"] is None  # none sent yet
+        await server.feed.send(snapshot(1))
+        link = await next_stats(response)
+        assert 0 <= link["snapshot_age_s"] < 2
+        await server.scheduler.close()
+        for _ in range(10):
+            link = await next_stats(response)
+            if not link["alive"]:
+                break
+        assert link["alive"] is False and link["state"] != "greeted", link
+        assert link["problem"] == "the scheduler is not connected"
 
 
 async def test_a_snapshot_whose_pool_does_not_add_up_is_dropped(server):

@@ -1,5 +1,6 @@
 """The scheduler's monitor feed: nothing is built while nobody subscribes; a subscriber gets
-snapshots a few times a second, with the pool, the queues, health and events."""
+snapshots a few times a second, with the pool, the queues, health (the worker's plan too),
+events and their own pacing."""
 
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ def test_snapshots_flow_only_while_subscribed(scheduler):
     assert first[-1].protocol_version == PROTOCOL_VERSION
 
     worker = dealer(context, addresses.worker, b"raw-worker")
-    worker.send(ENCODE(announcement(PROTOCOL_VERSION)))
+    plan = {"attention": "sdpa", "kv_dtype": "float16", "threads": "3"}
+    worker.send(ENCODE(msgspec.structs.replace(announcement(PROTOCOL_VERSION), plan=plan)))
     # A request sent before the scheduler has read the worker's WorkerReady is refused (no
     # worker yet); a real frontend waits for SchedulerInfo, this one for the feed to say so.
     first_snapshot(sub, lambda snapshot: snapshot.health.worker == "ready")
@@ -89,6 +91,9 @@ def test_snapshots_flow_only_while_subscribed(scheduler):
     frontend.send(ENCODE(AddRequest(request_id="req-1", prompt_token_ids=[5] * 20, params=params)))
     last = first_snapshot(sub, lambda snapshot: bool(snapshot.requests))
     assert last.health.worker == "ready" and last.health.model_id == "raw"
+    assert last.health.plan == plan  # as the worker announced it
+    cadence = last.cadence  # how the monitor paces the feed, for the page to judge it by
+    assert (cadence.interval_s, cadence.max_gap_s) == (0.25, 1.0) and cadence.gap_s > 0
     assert last.pool is not None and last.pool.num_blocks == 8
     (row,) = last.requests
     assert row.request_id == "req-1" and row.running and row.num_blocks == 2

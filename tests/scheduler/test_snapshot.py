@@ -1,11 +1,13 @@
 """The pool as the web page receives it: the scheduler's bytes and rows, turned into runs by a
-frontend, decode back to exactly the ledger."""
+frontend, decode back to exactly the ledger. The snapshot carries the worker's plan and its own
+pacing, appended to the wire format without moving what older peers read."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
+from frontend.page_feed import page_view
 from frontend.pool_runs import decode_runs, pool_runs
 from protocol.messages import SamplingParams
 from protocol.monitor import (
@@ -14,6 +16,8 @@ from protocol.monitor import (
     HELD,
     MAX_WAITING_ROWS,
     SHARED,
+    Cadence,
+    Health,
     PoolRuns,
     PoolSnapshot,
     PoolStates,
@@ -157,3 +161,51 @@ def test_a_pool_that_does_not_add_up_is_refused(states: bytes, blocks: list[int]
     pool = PoolStates(num_blocks=3, block_size=4, watermark_blocks=0, states=states)
     with pytest.raises(ValueError, match=message):
         pool_runs(pool, [_row("a", blocks)])
+
+
+PLAN = {"attention": "sdpa", "linears": "int8", "dtype": "bfloat16", "threads": "2"}
+
+
+def _health(**changes) -> Health:
+    fields = dict(
+        worker="ready", reason="", model_id="m", device="cpu", dtype="bfloat16",
+        workers_lost_total=0, frontends_lost_total=0, num_steps_total=3, steps_in_flight=1,
+        num_preemptions_total=0, audit=None, uptime_s=2.0, monitor_s_total=0.001,
+    )  # fmt: skip
+    return Health(**{**fields, **changes})
+
+
+def test_the_worker_plan_and_the_cadence_reach_the_page():
+    cadence = Cadence(interval_s=0.25, max_gap_s=1.0, budget=0.03, gap_s=1.0, throttled=True)
+    message = PoolSnapshot(seq=7, health=_health(plan=PLAN), cadence=cadence)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=PoolSnapshot)
+    assert decoded.health.plan == PLAN and decoded.cadence == cadence
+    view = page_view(decoded)
+    assert view["health"]["plan"] == PLAN
+    assert view["cadence"] == {
+        "interval_s": 0.25, "max_gap_s": 1.0, "budget": 0.03, "gap_s": 1.0, "throttled": True
+    }  # fmt: skip
+
+
+def test_a_snapshot_from_an_older_scheduler_decodes_without_plan_or_cadence():
+    """Fields are appended, never reordered: a snapshot without the last ones still decodes."""
+    message = PoolSnapshot(seq=7, health=_health(plan=PLAN), cadence=None)
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(message))  # plain lists (array_like)
+    *older, cadence = raw
+    *older_health, plan = older[-2]
+    assert cadence is None and plan == PLAN
+    older[-2] = older_health
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(older), type=PoolSnapshot)
+    assert decoded.seq == 7 and decoded.health.plan == {} and decoded.cadence is None
+    assert decoded.health.monitor_s_total == 0.001  # the field before plan kept its place
+
+
+def test_the_snapshot_fields_keep_their_order():
+    """What older frontends decode by position (``array_like``): only appended to."""
+    assert PoolSnapshot.__struct_fields__ == (
+        "protocol_version", "seq", "time", "pool", "requests", "num_running", "num_waiting",
+        "health", "events", "cadence",
+    )  # fmt: skip
+    assert Health.__struct_fields__[-3:] == ("uptime_s", "monitor_s_total", "plan")
+    with pytest.raises(TypeError):
+        Cadence(0.25, 1.0, 0.03, 0.0, False)  # keyword-only, as every part

@@ -139,6 +139,7 @@ async def test_the_page_shows_the_pool_queues_a_restart_and_a_chat(server, tmp_p
 
         os.kill(server.child_pid("worker"), signal.SIGKILL)
         await _until(page, lambda v: v["worker"].startswith("lost"), "the worker lost", 20)
+        assert await page.get_attribute("#worker-pill", "data-level") == "bad", "a loss not red"
         await screenshot(page, tmp_path, "page-worker-lost.png")
         view = await _until(
             page,
