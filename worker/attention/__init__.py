@@ -3,6 +3,7 @@
 - ``base``: ``AttentionBackend``, the operations a backend provides;
 - ``metadata``: ``AttentionMetadata``, ``DecodeRows`` and ``PrefillSpan``, built once per step;
 - ``torch_backend``: ``TorchBackend``, plain torch (what CUDA runs, and the generic path);
+- ``cpu_kernel``: ``CpuKernelBackend``, what the two below share;
 - ``cpu_bf16``: ``CpuBf16Backend``, bfloat16 in nanoserve's own CPU operators;
 - ``cpu_f32``: ``CpuF32Backend``, float32 (over a float32 or float16 pool) in its AVX2 ones.
 

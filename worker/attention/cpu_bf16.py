@@ -14,41 +14,20 @@ from __future__ import annotations
 
 import torch
 
-from worker.attention.base import Scratch
-from worker.attention.metadata import DecodeRows, PrefillSpan
-from worker.attention.torch_backend import TorchBackend
+from worker.attention.cpu_kernel import CpuKernelBackend
+from worker.attention.metadata import PrefillSpan
 
 
-class CpuBf16Backend(TorchBackend):
-    """Decodes in ``decode_attention``; prefills in ``prefill_attention`` (``prefill_kernel``)
-    or SDPA."""
+class CpuBf16Backend(CpuKernelBackend):
+    """Decodes in ``decode_attention``; prefills in ``prefill_attention`` or SDPA."""
 
     name = "cpu-bf16"
+    decode_op = "decode_attention"
 
-    def __init__(self, *, prefill_kernel: bool, **geometry) -> None:
-        super().__init__(**geometry)
-        self.prefill_kernel = prefill_kernel
-
-    def decode(
-        self,
-        q: torch.Tensor,
-        kv: torch.Tensor,
-        layer: torch.Tensor,
-        rows: DecodeRows,
-        scratch: Scratch | None = None,
-    ) -> torch.Tensor:
-        """See ``AttentionBackend.decode``; reads the cache in place, so needs no scratch."""
-        return torch.ops.nanoserve.decode_attention(
-            q, kv, layer, rows.blocks, rows.cached, self.block_size
-        )
-
-    def prefill(
+    def kernel_prefill(
         self, q: torch.Tensor, kv: torch.Tensor, layer: torch.Tensor, span: PrefillSpan
     ) -> torch.Tensor:
-        """See ``AttentionBackend.prefill``; reads the span's K/V from the pool, where
-        ``forward`` has just written them."""
-        if not self.prefill_kernel:
-            return super().prefill(q, kv, layer, span)
+        """Reads the span's K/V from the pool, where ``forward`` has just written them."""
         return torch.ops.nanoserve.prefill_attention(
             q[span.begin : span.end], layer, span.blocks, span.start, self.block_size
         )

@@ -12,41 +12,22 @@ from __future__ import annotations
 
 import torch
 
-from worker.attention.base import Scratch, gather_blocks
-from worker.attention.metadata import DecodeRows, PrefillSpan
-from worker.attention.torch_backend import TorchBackend
+from worker.attention.base import gather_blocks
+from worker.attention.cpu_kernel import CpuKernelBackend
+from worker.attention.metadata import PrefillSpan
 
 
-class CpuF32Backend(TorchBackend):
-    """Decodes in ``decode_attention_f32``; prefills in ``prefill_attention_f32``
-    (``prefill_kernel``) or SDPA."""
+class CpuF32Backend(CpuKernelBackend):
+    """Decodes in ``decode_attention_f32``; prefills in ``prefill_attention_f32`` or SDPA."""
 
     name = "cpu-f32"
+    decode_op = "decode_attention_f32"
 
-    def __init__(self, *, prefill_kernel: bool, **geometry) -> None:
-        super().__init__(**geometry)
-        self.prefill_kernel = prefill_kernel
-
-    def decode(
-        self,
-        q: torch.Tensor,
-        kv: torch.Tensor,
-        layer: torch.Tensor,
-        rows: DecodeRows,
-        scratch: Scratch | None = None,
-    ) -> torch.Tensor:
-        """See ``AttentionBackend.decode``; reads the cache in place, so needs no scratch."""
-        return torch.ops.nanoserve.decode_attention_f32(
-            q, kv, layer, rows.blocks, rows.cached, self.block_size
-        )
-
-    def prefill(
+    def kernel_prefill(
         self, q: torch.Tensor, kv: torch.Tensor, layer: torch.Tensor, span: PrefillSpan
     ) -> torch.Tensor:
-        """See ``AttentionBackend.prefill``; a fresh prompt's own k and v, a continued one's
-        gathered blocks (float16 widened as they are read)."""
-        if not self.prefill_kernel:
-            return super().prefill(q, kv, layer, span)
+        """A fresh prompt's own k and v, a continued one's gathered blocks (float16 widened as
+        they are read)."""
         if span.start == 0:
             keys, values = kv[span.begin : span.end].unbind(1)  # (n, n_kv, hd) each
         else:

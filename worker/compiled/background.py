@@ -53,6 +53,7 @@ _TRACED = (
     "attention/base.py",
     "attention/metadata.py",
     "attention/torch_backend.py",
+    "attention/cpu_kernel.py",
     "attention/cpu_bf16.py",
     "attention/cpu_f32.py",
 )

@@ -61,7 +61,7 @@ AVX2_SOURCES = [
         "pointwise_f32.cpp",
     )
 ]
-HEADERS = [_CSRC / "simd.h", _CSRC / "simd_avx2.h"]  # included by the sources
+HEADERS = [_CSRC / name for name in ("simd.h", "simd_avx2.h", "decode_common.h")]  # included
 # Written in a build directory once its library is built and loaded: later processes load it
 # as it is.
 BUILT = "nanoserve_kernels.built"

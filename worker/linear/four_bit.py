@@ -17,6 +17,8 @@ both. Each method's output rows are padded to a multiple of 16 (sliced off here)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from worker.linear.base import Linear, LinearMethod
@@ -43,20 +45,28 @@ def _finished(layer: Linear, out: torch.Tensor) -> torch.Tensor:
     return out if layer.bias is None else out.add_(layer.bias)
 
 
-class Q4Kernel(LinearMethod):
-    """``torch.ops.nanoserve.q4_linear`` on ``pack_q4``'s layout (bfloat16 rows)."""
+class _Packed(LinearMethod):
+    """Every row on one of nanoserve's 4-bit operators (``op``), the matrices in the layout its
+    packer makes (``pack``)."""
 
-    name = "q4"
+    op: str
+    pack: Callable[[list[Q4Tensor]], tuple[torch.Tensor, ...]]
 
     def prepare(self, layer: Linear, q4: list[Q4Tensor] | None) -> None:
-        layer.q4, layer.q4_halves = pack_q4(q4), _halves(layer, q4)
+        layer.q4, layer.q4_halves = type(self).pack(q4), _halves(layer, q4)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.nanoserve.q4_linear(_fed(x, layer.q4_halves), *layer.q4)
+        out = getattr(torch.ops.nanoserve, self.op)(_fed(x, layer.q4_halves), *layer.q4)
         return _finished(layer, out)
 
     def streamed(self, layer: Linear, rows: int) -> int:
         return _bytes(layer.q4)
+
+
+class Q4Kernel(_Packed):
+    """``torch.ops.nanoserve.q4_linear`` on ``pack_q4``'s layout (bfloat16 rows)."""
+
+    name, op, pack = "q4", "q4_linear", pack_q4
 
 
 class Gguf(LinearMethod):
@@ -94,20 +104,10 @@ class Gguf(LinearMethod):
         return layer.in_features * layer.out_features * layer.packed.element_size()
 
 
-class Q4A8(LinearMethod):
+class Q4A8(_Packed):
     """``torch.ops.nanoserve.q4a8_linear_f32`` on ``pack_q4a8``'s layout (float32 rows)."""
 
-    name = "q4a8"
-
-    def prepare(self, layer: Linear, q4: list[Q4Tensor] | None) -> None:
-        layer.q4a8, layer.q4_halves = pack_q4a8(q4), _halves(layer, q4)
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.nanoserve.q4a8_linear_f32(_fed(x, layer.q4_halves), *layer.q4a8)
-        return _finished(layer, out)
-
-    def streamed(self, layer: Linear, rows: int) -> int:
-        return _bytes(layer.q4a8)
+    name, op, pack = "q4a8", "q4a8_linear_f32", pack_q4a8
 
 
 class TorchInt4(LinearMethod):

@@ -1,5 +1,5 @@
 // nanoserve::decode_attention: one decode query per row over its paged bfloat16 K/V, the decodes
-// of the CPU-kernel attention backend (worker/attention/cpu_kernel.py), eager and compiled.
+// of the cpu-bf16 attention backend (worker/attention/cpu_bf16.py), eager and compiled.
 //
 // The torch backend builds this attention from a gather of every cached K/V into a copy, two
 // batched matmuls and a softmax, mostly fixed costs at small batches. Here each (row, KV head)
@@ -17,6 +17,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "decode_common.h"
 #include "simd.h"
 
 #include <cmath>
@@ -28,7 +29,7 @@ using nanoserve_simd::exp_neg;
 using nanoserve_simd::load_bf16;
 using nanoserve_simd::round_bf16;
 
-constexpr int64_t kSerialWork = 8192;  // (position, KV head) pairs below which one thread runs
+using nanoserve_decode::Later;
 
 #ifdef __AVX512BF16__
 // 32 bfloat16 values as 16 pairs for vdpbf16ps; head_dim 16 (C = 1) fills the upper half with
@@ -58,14 +59,6 @@ struct Views {
   int64_t nq, n_kv, hd, block_size;
 };
 
-// The task a thread runs after this one: its table, keys, values and cached count (no table:
-// none).
-struct Later {
-  const int64_t* table = nullptr;
-  const c10::BFloat16 *keys = nullptr, *values = nullptr;
-  int64_t cached = 0;
-};
-
 // Asks for one position's hd bfloat16 values to be brought into L2.
 inline void prefetch_row_l2(const c10::BFloat16* p, int64_t hd) {
   for (int64_t byte = 0; byte < hd * 2; byte += 64)
@@ -85,7 +78,8 @@ inline void prefetch_row_l2(const c10::BFloat16* p, int64_t hd) {
 template <typename F>
 inline void for_each_position(const Views& v, const int64_t* table, int64_t cached,
                               const c10::BFloat16* keys, const c10::BFloat16* values, int phase,
-                              const c10::BFloat16* fresh, const Later& later, F&& f) {
+                              const c10::BFloat16* fresh, const Later<c10::BFloat16>& later,
+                              F&& f) {
   const int64_t bs = v.block_size, hd = v.hd, used = (cached + bs - 1) / bs;
   const c10::BFloat16* base = phase == 0 ? keys : values;
   const c10::BFloat16* later_base = phase == 0 ? later.keys : later.values;
@@ -138,7 +132,7 @@ inline __m512 fold(__m512 v, Op op) {
 // the softmax of all G heads runs on full vectors. scratch: W * (cached + 1) rounded up.
 template <int G, int C>
 void attend(const Views& v, int64_t row, int64_t head, std::vector<float>& scratch,
-            const Later& later) {
+            const Later<c10::BFloat16>& later) {
   constexpr int W = G <= 4 ? 4 : (G <= 8 ? 8 : 16);
   constexpr int64_t kPerVector = 16 / W;  // positions per 16-float vector
   const int64_t cached = v.cached[row], length = cached + 1;  // the new token last
@@ -232,7 +226,8 @@ void attend(const Views& v, int64_t row, int64_t head, std::vector<float>& scrat
   }
 }
 
-using AttendFn = void (*)(const Views&, int64_t, int64_t, std::vector<float>&, const Later&);
+using AttendFn = void (*)(const Views&, int64_t, int64_t, std::vector<float>&,
+                          const Later<c10::BFloat16>&);
 
 template <int C>
 AttendFn pick_group(int64_t group) {
@@ -266,44 +261,13 @@ bool supported(int64_t head_dim, int64_t group) { return pick(head_dim, group) !
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& layer,
                             const at::Tensor& blocks, const at::Tensor& cached,
                             int64_t block_size) {
-  TORCH_CHECK(q.dim() == 3 && kv.dim() == 4 && layer.dim() == 4 && blocks.dim() == 2 &&
-                  cached.dim() == 1,
-              "decode_attention: q (B, nq, hd), kv (B, 2, n_kv, hd), layer (2, n_kv, S, hd), "
-              "blocks (B, M), cached (B,)");
+  nanoserve_decode::check_ranks("decode_attention", q, kv, layer, blocks, cached);
   const int64_t batch = q.size(0), nq = q.size(1), hd = q.size(2), n_kv = layer.size(1);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv.scalar_type() == at::kBFloat16 &&
                   layer.scalar_type() == at::kBFloat16,
               "decode_attention: q, kv and layer must be bfloat16");
-  TORCH_CHECK(blocks.scalar_type() == at::kLong && cached.scalar_type() == at::kLong &&
-                  blocks.stride(1) == 1 && cached.stride(0) == 1,
-              "decode_attention: blocks and cached must be contiguous int64");
-  TORCH_CHECK(kv.size(0) == batch && kv.size(1) == 2 && kv.size(2) == n_kv && kv.size(3) == hd &&
-                  layer.size(0) == 2 && layer.size(3) == hd && blocks.size(0) == batch &&
-                  cached.size(0) == batch && n_kv > 0,
-              "decode_attention: shapes do not match");
-  TORCH_CHECK(nq % n_kv == 0 && supported(hd, nq / n_kv),
-              "decode_attention: needs head_dim 16, 32, 64 or 128 and 1 to 8 query heads per KV "
-              "head, got ", hd, " and ", nq, " / ", n_kv);
-  TORCH_CHECK(q.stride(2) == 1 && kv.stride(3) == 1 && layer.stride(3) == 1 &&
-                  layer.stride(2) == hd,
-              "decode_attention: the head dimension must be contiguous, and the pool's rows");
-  // Every position a row reads must lie in its table and every block it reads in the pool: a
-  // bad index here would read outside the tensors, and the worker must not die of its input.
-  TORCH_CHECK(block_size > 0 && layer.size(2) % block_size == 0,
-              "decode_attention: block_size must divide the pool's ", layer.size(2), " slots");
-  const int64_t width = blocks.size(1), pool_blocks = layer.size(2) / block_size;
-  const int64_t* ids = blocks.data_ptr<int64_t>();
-  const int64_t* lengths = cached.data_ptr<int64_t>();
-  for (int64_t row = 0; row < batch; ++row) {
-    const int64_t used = (lengths[row] + block_size - 1) / block_size;
-    TORCH_CHECK(lengths[row] >= 0 && used <= width, "decode_attention: row ", row, " has ",
-                lengths[row], " cached positions; its table holds ", width * block_size);
-    for (int64_t j = 0; j < used; ++j) {
-      const int64_t id = ids[row * blocks.stride(0) + j];
-      TORCH_CHECK(id >= 0 && id < pool_blocks, "decode_attention: row ", row, " names block ", id,
-                  " of a pool of ", pool_blocks);
-    }
-  }
+  const int64_t work = nanoserve_decode::check_tables("decode_attention", q, kv, layer, blocks,
+                                                      cached, block_size, &supported);
   at::Tensor out = at::empty({batch, nq, hd}, q.options());
   Views v{q.data_ptr<c10::BFloat16>(), kv.data_ptr<c10::BFloat16>(),
           layer.data_ptr<c10::BFloat16>(), blocks.data_ptr<int64_t>(),
@@ -311,29 +275,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
           q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2),
           layer.stride(0), layer.stride(1), blocks.stride(0),
           nq, n_kv, hd, block_size};
-  const AttendFn fn = pick(hd, nq / n_kv);
-  auto run = [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      Later later;  // the next task of this thread's range
-      if (task + 1 < end) {
-        const int64_t r = (task + 1) / n_kv, h = (task + 1) % n_kv;
-        later.table = v.blocks + r * v.blocks_row;
-        later.keys = v.layer + h * v.layer_head;
-        later.values = later.keys + v.layer_part;
-        later.cached = v.cached[r];
-      }
-      fn(v, task / n_kv, task % n_kv, scores, later);
-    }
-  };
-  // Under about 0.1 ms of work (10 ns a position and KV head, one thread), waking the other
-  // OpenMP threads costs more than they save: a batch-1 decode step's 30 calls stay on this one.
-  int64_t positions = 0;
-  for (int64_t row = 0; row < batch; ++row) positions += lengths[row] + 1;
-  if (positions * n_kv < kSerialWork)
-    run(0, batch * n_kv);
-  else
-    at::parallel_for(0, batch * n_kv, 1, run);
+  nanoserve_decode::run_tasks<c10::BFloat16>(v, batch, work, pick(hd, nq / n_kv));
   return out;
 }
 

@@ -1,6 +1,6 @@
 // nanoserve::decode_attention_f32: one decode query per row over its paged float32 or float16
-// K/V, the float32 decodes of the CPU-kernel attention backend (worker/attention/cpu_kernel.py),
-// eager and compiled. It needs only AVX2, FMA and F16C, so it is built on CPUs without AVX-512
+// K/V, the decodes of the cpu-f32 attention backend (worker/attention/cpu_f32.py), eager and
+// compiled. It needs only AVX2, FMA and F16C, so it is built on CPUs without AVX-512
 // too, where `auto` serves float32 over a float16 pool (worker/cpu/kernels.py).
 //
 // The torch backend builds this attention from a gather of every cached K/V into a copy, two
@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "decode_common.h"
 #include "simd_avx2.h"
 
 #include <cmath>
@@ -33,7 +34,7 @@ using nanoserve_avx2::exp_neg;
 using nanoserve_avx2::load8;
 using nanoserve_avx2::sum4;
 
-constexpr int64_t kSerialWork = 8192;  // (position, KV head) pairs below which one thread runs
+using nanoserve_decode::Later;
 
 // Asks for one position's hd values to be brought into L1 (a hint: never faults).
 template <typename T>
@@ -59,15 +60,6 @@ struct Views {
   int64_t q_row, q_head, kv_row, kv_part, kv_head;  // strides, in elements
   int64_t layer_part, layer_head, blocks_row;
   int64_t nq, n_kv, hd, block_size;
-};
-
-// The task a thread runs after this one: its table, keys, values and cached count (no table:
-// none).
-template <typename T>
-struct Later {
-  const int64_t* table = nullptr;
-  const T *keys = nullptr, *values = nullptr;
-  int64_t cached = 0;
 };
 
 // Calls f(t, pointer to position t's row) for t = 0..cached-1 by blocks (no division per
@@ -224,31 +216,6 @@ AttendFn<T> pick(int64_t head_dim, int64_t group) {
 
 bool supported(int64_t head_dim, int64_t group) { return pick<float>(head_dim, group) != nullptr; }
 
-// Every (row, KV head) task over the threads, each told the next task of its range.
-template <typename T>
-void run_tasks(const Views<T>& v, int64_t batch, bool serial) {
-  const AttendFn<T> fn = pick<T>(v.hd, v.nq / v.n_kv);
-  const int64_t n_kv = v.n_kv;
-  auto run = [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      Later<T> later;  // the next task of this thread's range
-      if (task + 1 < end) {
-        const int64_t r = (task + 1) / n_kv, h = (task + 1) % n_kv;
-        later.table = v.blocks + r * v.blocks_row;
-        later.keys = v.layer + h * v.layer_head;
-        later.values = later.keys + v.layer_part;
-        later.cached = v.cached[r];
-      }
-      fn(v, task / n_kv, task % n_kv, scores, later);
-    }
-  };
-  if (serial)
-    run(0, batch * n_kv);
-  else
-    at::parallel_for(0, batch * n_kv, 1, run);
-}
-
 template <typename T>
 Views<T> views(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& layer,
                const at::Tensor& blocks, const at::Tensor& cached, at::Tensor& out,
@@ -263,53 +230,22 @@ Views<T> views(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& laye
 at::Tensor decode_attention_f32(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& layer,
                                 const at::Tensor& blocks, const at::Tensor& cached,
                                 int64_t block_size) {
-  TORCH_CHECK(q.dim() == 3 && kv.dim() == 4 && layer.dim() == 4 && blocks.dim() == 2 &&
-                  cached.dim() == 1,
-              "decode_attention_f32: q (B, nq, hd), kv (B, 2, n_kv, hd), layer (2, n_kv, S, hd), "
-              "blocks (B, M), cached (B,)");
+  nanoserve_decode::check_ranks("decode_attention_f32", q, kv, layer, blocks, cached);
   const int64_t batch = q.size(0), nq = q.size(1), hd = q.size(2), n_kv = layer.size(1);
   TORCH_CHECK(q.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat &&
                   (layer.scalar_type() == at::kFloat || layer.scalar_type() == at::kHalf),
               "decode_attention_f32: q and kv must be float32, layer float32 or float16");
-  TORCH_CHECK(blocks.scalar_type() == at::kLong && cached.scalar_type() == at::kLong &&
-                  blocks.stride(1) == 1 && cached.stride(0) == 1,
-              "decode_attention_f32: blocks and cached must be contiguous int64");
-  TORCH_CHECK(kv.size(0) == batch && kv.size(1) == 2 && kv.size(2) == n_kv && kv.size(3) == hd &&
-                  layer.size(0) == 2 && layer.size(3) == hd && blocks.size(0) == batch &&
-                  cached.size(0) == batch && n_kv > 0,
-              "decode_attention_f32: shapes do not match");
-  TORCH_CHECK(nq % n_kv == 0 && supported(hd, nq / n_kv),
-              "decode_attention_f32: needs head_dim 16, 32, 64 or 128 and 1 to 8 query heads per "
-              "KV head, got ", hd, " and ", nq, " / ", n_kv);
-  TORCH_CHECK(q.stride(2) == 1 && kv.stride(3) == 1 && layer.stride(3) == 1 &&
-                  layer.stride(2) == hd,
-              "decode_attention_f32: the head dimension must be contiguous, and the pool's rows");
-  // Every position a row reads must lie in its table and every block it reads in the pool: a
-  // bad index here would read outside the tensors, and the worker must not die of its input.
-  TORCH_CHECK(block_size > 0 && layer.size(2) % block_size == 0,
-              "decode_attention_f32: block_size must divide the pool's ", layer.size(2), " slots");
-  const int64_t width = blocks.size(1), pool_blocks = layer.size(2) / block_size;
-  const int64_t* ids = blocks.data_ptr<int64_t>();
-  const int64_t* lengths = cached.data_ptr<int64_t>();
-  for (int64_t row = 0; row < batch; ++row) {
-    const int64_t used = (lengths[row] + block_size - 1) / block_size;
-    TORCH_CHECK(lengths[row] >= 0 && used <= width, "decode_attention_f32: row ", row, " has ",
-                lengths[row], " cached positions; its table holds ", width * block_size);
-    for (int64_t j = 0; j < used; ++j) {
-      const int64_t id = ids[row * blocks.stride(0) + j];
-      TORCH_CHECK(id >= 0 && id < pool_blocks, "decode_attention_f32: row ", row,
-                  " names block ", id, " of a pool of ", pool_blocks);
-    }
-  }
+  const int64_t work = nanoserve_decode::check_tables("decode_attention_f32", q, kv, layer,
+                                                      blocks, cached, block_size, &supported);
   at::Tensor out = at::empty({batch, nq, hd}, q.options());
-  // Under about 0.1 ms of work, waking the other OpenMP threads costs more than they save.
-  int64_t positions = 0;
-  for (int64_t row = 0; row < batch; ++row) positions += lengths[row] + 1;
-  const bool serial = positions * n_kv < kSerialWork;
+  const int64_t group = nq / n_kv;
   if (layer.scalar_type() == at::kHalf)
-    run_tasks(views<c10::Half>(q, kv, layer, blocks, cached, out, block_size), batch, serial);
+    nanoserve_decode::run_tasks<c10::Half>(views<c10::Half>(q, kv, layer, blocks, cached, out,
+                                                            block_size),
+                                           batch, work, pick<c10::Half>(hd, group));
   else
-    run_tasks(views<float>(q, kv, layer, blocks, cached, out, block_size), batch, serial);
+    nanoserve_decode::run_tasks<float>(views<float>(q, kv, layer, blocks, cached, out, block_size),
+                                       batch, work, pick<float>(hd, group));
   return out;
 }
 

@@ -1,0 +1,109 @@
+// What nanoserve's two decode attention kernels share (decode_attention.cpp, bfloat16, and
+// decode_attention_f32.cpp, float32 over a float32 or float16 pool): the checks of their
+// arguments, the task a thread prefetches next, and the loop that deals (row, KV head) tasks to
+// the threads. The arithmetic, which differs by instruction set, stays in each kernel.
+//
+// Shapes: q (B, nq, hd), kv (B, 2, n_kv, hd) the new token's k and v, layer (2, n_kv, S, hd)
+// one layer of the pool, blocks (B, M) each row's block ids, cached (B,) how many positions each
+// row has cached.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace nanoserve_decode {
+
+constexpr int64_t kSerialWork = 8192;  // (position, KV head) pairs below which one thread runs
+
+// The task a thread runs after this one: its table, keys, values and cached count (no table:
+// none). T: the pool's element.
+template <typename T>
+struct Later {
+  const int64_t* table = nullptr;
+  const T *keys = nullptr, *values = nullptr;
+  int64_t cached = 0;
+};
+
+// The ranks of the arguments, before anything reads their sizes.
+inline void check_ranks(const char* op, const at::Tensor& q, const at::Tensor& kv,
+                        const at::Tensor& layer, const at::Tensor& blocks,
+                        const at::Tensor& cached) {
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 4 && layer.dim() == 4 && blocks.dim() == 2 &&
+                  cached.dim() == 1,
+              op, ": q (B, nq, hd), kv (B, 2, n_kv, hd), layer (2, n_kv, S, hd), blocks (B, M), "
+              "cached (B,)");
+}
+
+// Everything else but the dtypes: shapes, strides, the heads the kernel takes (``supported``),
+// and every block each row reads, which must lie in its table and in the pool (a bad index here
+// would read outside the tensors, and the worker must not die of its input). Returns the
+// (position, KV head) pairs the call attends over, for the choice of one thread or all.
+inline int64_t check_tables(const char* op, const at::Tensor& q, const at::Tensor& kv,
+                            const at::Tensor& layer, const at::Tensor& blocks,
+                            const at::Tensor& cached, int64_t block_size,
+                            bool (*supported)(int64_t, int64_t)) {
+  const int64_t batch = q.size(0), nq = q.size(1), hd = q.size(2), n_kv = layer.size(1);
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && cached.scalar_type() == at::kLong &&
+                  blocks.stride(1) == 1 && cached.stride(0) == 1,
+              op, ": blocks and cached must be contiguous int64");
+  TORCH_CHECK(kv.size(0) == batch && kv.size(1) == 2 && kv.size(2) == n_kv && kv.size(3) == hd &&
+                  layer.size(0) == 2 && layer.size(3) == hd && blocks.size(0) == batch &&
+                  cached.size(0) == batch && n_kv > 0,
+              op, ": shapes do not match");
+  TORCH_CHECK(nq % n_kv == 0 && supported(hd, nq / n_kv), op,
+              ": needs head_dim 16, 32, 64 or 128 and 1 to 8 query heads per KV head, got ", hd,
+              " and ", nq, " / ", n_kv);
+  TORCH_CHECK(q.stride(2) == 1 && kv.stride(3) == 1 && layer.stride(3) == 1 &&
+                  layer.stride(2) == hd,
+              op, ": the head dimension must be contiguous, and the pool's rows");
+  TORCH_CHECK(block_size > 0 && layer.size(2) % block_size == 0, op,
+              ": block_size must divide the pool's ", layer.size(2), " slots");
+  const int64_t width = blocks.size(1), pool_blocks = layer.size(2) / block_size;
+  const int64_t* ids = blocks.data_ptr<int64_t>();
+  const int64_t* lengths = cached.data_ptr<int64_t>();
+  int64_t positions = 0;
+  for (int64_t row = 0; row < batch; ++row) {
+    const int64_t used = (lengths[row] + block_size - 1) / block_size;
+    TORCH_CHECK(lengths[row] >= 0 && used <= width, op, ": row ", row, " has ", lengths[row],
+                " cached positions; its table holds ", width * block_size);
+    for (int64_t j = 0; j < used; ++j) {
+      const int64_t id = ids[row * blocks.stride(0) + j];
+      TORCH_CHECK(id >= 0 && id < pool_blocks, op, ": row ", row, " names block ", id,
+                  " of a pool of ", pool_blocks);
+    }
+    positions += lengths[row] + 1;
+  }
+  return positions * n_kv;
+}
+
+// Every (row, KV head) task of ``v`` over the threads, each told the next task of its range:
+// ``attend(v, row, head, scores, later)``. Under about 0.1 ms of work (``work`` below
+// kSerialWork pairs: 10 ns a position and KV head, one thread), waking the other OpenMP threads
+// costs more than they save, so a batch-1 decode step's calls stay on this thread. T: the pool's
+// element; V: the kernel's views (blocks, cached, layer, their strides, n_kv).
+template <typename T, typename V, typename Attend>
+void run_tasks(const V& v, int64_t batch, int64_t work, Attend attend) {
+  const int64_t n_kv = v.n_kv;
+  auto run = [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      Later<T> later;  // the next task of this thread's range
+      if (task + 1 < end) {
+        const int64_t r = (task + 1) / n_kv, h = (task + 1) % n_kv;
+        later.table = v.blocks + r * v.blocks_row;
+        later.keys = v.layer + h * v.layer_head;
+        later.values = later.keys + v.layer_part;
+        later.cached = v.cached[r];
+      }
+      attend(v, task / n_kv, task % n_kv, scores, later);
+    }
+  };
+  if (work < kSerialWork)
+    run(0, batch * n_kv);
+  else
+    at::parallel_for(0, batch * n_kv, 1, run);
+}
+
+}  // namespace nanoserve_decode
