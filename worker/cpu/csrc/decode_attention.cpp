@@ -29,6 +29,8 @@ using nanoserve_simd::exp_neg;
 using nanoserve_simd::load_bf16;
 using nanoserve_simd::round_bf16;
 
+using nanoserve_decode::for_each_position;
+using nanoserve_decode::prefetch_row;
 using nanoserve_decode::Later;
 
 #ifdef __AVX512BF16__
@@ -44,12 +46,6 @@ inline __m512bh load_pairs(const c10::BFloat16* p) {
 }
 #endif
 
-// Asks for one position's hd bfloat16 values to be brought into L1 (a hint: never faults).
-inline void prefetch_row(const c10::BFloat16* p, int64_t hd) {
-  for (int64_t byte = 0; byte < hd * 2; byte += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p) + byte, _MM_HINT_T0);
-}
-
 struct Views {
   const c10::BFloat16 *q, *kv, *layer;
   const int64_t *blocks, *cached;
@@ -58,52 +54,6 @@ struct Views {
   int64_t layer_part, layer_head, blocks_row;
   int64_t nq, n_kv, hd, block_size;
 };
-
-// Asks for one position's hd bfloat16 values to be brought into L2.
-inline void prefetch_row_l2(const c10::BFloat16* p, int64_t hd) {
-  for (int64_t byte = 0; byte < hd * 2; byte += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p) + byte, _MM_HINT_T1);
-}
-
-// Calls f(t, pointer to position t's row) for t = 0..cached-1 by blocks (no division per
-// position), then for the new token. ``phase`` 0 reads the keys, 1 the values.
-//
-// Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every block
-// boundary: while reading position i of block j this prefetches position i of the next block
-// in keys-then-values order into L1. One block ahead is too short to hide the memory's latency
-// behind a block's work, so it also asks for position i of block j of the ``later`` task (the
-// same phase) into L2: a batch-32 step's K/V (about 100 MB) come from memory, and 30 layers'
-// calls at 200 positions, alternating in one process, took 170 -> 136 us a layer (blocks in
-// order), 310 -> 236 us (blocks shuffled).
-template <typename F>
-inline void for_each_position(const Views& v, const int64_t* table, int64_t cached,
-                              const c10::BFloat16* keys, const c10::BFloat16* values, int phase,
-                              const c10::BFloat16* fresh, const Later<c10::BFloat16>& later,
-                              F&& f) {
-  const int64_t bs = v.block_size, hd = v.hd, used = (cached + bs - 1) / bs;
-  const c10::BFloat16* base = phase == 0 ? keys : values;
-  const c10::BFloat16* later_base = phase == 0 ? later.keys : later.values;
-  for (int64_t first = 0, j = 0; first < cached; first += bs, ++j) {
-    const c10::BFloat16* block = base + table[j] * bs * hd;
-    const int64_t ahead = phase * used + j + 1;  // the next block, values after keys
-    const c10::BFloat16* next = ahead < used       ? keys + table[ahead] * bs * hd
-                                : ahead < 2 * used ? values + table[ahead - used] * bs * hd
-                                                   : nullptr;
-    const int64_t count = std::min(bs, cached - first);
-    const c10::BFloat16* far =
-        later.table && first < later.cached ? later_base + later.table[j] * bs * hd : nullptr;
-    const int64_t far_count = far ? std::min(bs, later.cached - first) : 0;
-    for (int64_t i = 0; i < count; ++i) {
-      if (next) prefetch_row(next + i * hd, hd);
-      if (i < far_count) prefetch_row_l2(far + i * hd, hd);
-      f(first + i, block + i * hd);
-    }
-    // A partial last key block leaves the rest of the first value block to ask for.
-    if (next)
-      for (int64_t i = count; i < bs; ++i) prefetch_row(next + i * hd, hd);
-  }
-  f(cached, fresh);
-}
 
 // The sums of a, b, c and d, in that order: 13 instructions instead of 4 full reductions.
 inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {

@@ -34,21 +34,9 @@ using nanoserve_avx2::exp_neg;
 using nanoserve_avx2::load8;
 using nanoserve_avx2::sum4;
 
+using nanoserve_decode::for_each_position;
+using nanoserve_decode::prefetch_row;
 using nanoserve_decode::Later;
-
-// Asks for one position's hd values to be brought into L1 (a hint: never faults).
-template <typename T>
-inline void prefetch_row(const T* p, int64_t hd) {
-  for (int64_t byte = 0; byte < hd * static_cast<int64_t>(sizeof(T)); byte += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p) + byte, _MM_HINT_T0);
-}
-
-// And into L2.
-template <typename T>
-inline void prefetch_row_l2(const T* p, int64_t hd) {
-  for (int64_t byte = 0; byte < hd * static_cast<int64_t>(sizeof(T)); byte += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p) + byte, _MM_HINT_T1);
-}
 
 // T: the pool's element, float or c10::Half.
 template <typename T>
@@ -61,42 +49,6 @@ struct Views {
   int64_t layer_part, layer_head, blocks_row;
   int64_t nq, n_kv, hd, block_size;
 };
-
-// Calls f(t, pointer to position t's row) for t = 0..cached-1 by blocks (no division per
-// position), then for the new token (a float32 row). ``phase`` 0 reads the keys, 1 the values.
-//
-// Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every block
-// boundary: while reading position i of block j this asks for position i of the next block (in
-// keys-then-values order) in L1, and for position i of block j of the ``later`` task in L2, as
-// the bfloat16 kernel does (decode_attention.cpp, where it is measured).
-template <typename T, typename F>
-inline void for_each_position(const Views<T>& v, const int64_t* table, int64_t cached,
-                              const T* keys, const T* values, int phase, const float* fresh,
-                              const Later<T>& later, F&& f) {
-  const int64_t bs = v.block_size, hd = v.hd, used = (cached + bs - 1) / bs;
-  const T* base = phase == 0 ? keys : values;
-  const T* later_base = phase == 0 ? later.keys : later.values;
-  for (int64_t first = 0, j = 0; first < cached; first += bs, ++j) {
-    const T* block = base + table[j] * bs * hd;
-    const int64_t ahead = phase * used + j + 1;  // the next block, values after keys
-    const T* next = ahead < used       ? keys + table[ahead] * bs * hd
-                    : ahead < 2 * used ? values + table[ahead - used] * bs * hd
-                                       : nullptr;
-    const int64_t count = std::min(bs, cached - first);
-    const T* far =
-        later.table && first < later.cached ? later_base + later.table[j] * bs * hd : nullptr;
-    const int64_t far_count = far ? std::min(bs, later.cached - first) : 0;
-    for (int64_t i = 0; i < count; ++i) {
-      if (next) prefetch_row(next + i * hd, hd);
-      if (i < far_count) prefetch_row_l2(far + i * hd, hd);
-      f(first + i, block + i * hd);
-    }
-    // A partial last key block leaves the rest of the first value block to ask for.
-    if (next)
-      for (int64_t i = count; i < bs; ++i) prefetch_row(next + i * hd, hd);
-  }
-  f(cached, fresh);
-}
 
 // Lane l of the result: op over every lane of v congruent to l modulo W (W = 4 or 8).
 template <int W, typename Op>

@@ -1,7 +1,8 @@
 // What nanoserve's two decode attention kernels share (decode_attention.cpp, bfloat16, and
 // decode_attention_f32.cpp, float32 over a float32 or float16 pool): the checks of their
-// arguments, the task a thread prefetches next, and the loop that deals (row, KV head) tasks to
-// the threads. The arithmetic, which differs by instruction set, stays in each kernel.
+// arguments, the walk over a row's blocks with its prefetches, the task a thread prefetches next,
+// and the loop that deals (row, KV head) tasks to the threads. The arithmetic, which differs by
+// instruction set, stays in each kernel.
 //
 // Shapes: q (B, nq, hd), kv (B, 2, n_kv, hd) the new token's k and v, layer (2, n_kv, S, hd)
 // one layer of the pool, blocks (B, M) each row's block ids, cached (B,) how many positions each
@@ -11,6 +12,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include <xmmintrin.h>
+
+#include <algorithm>
 #include <vector>
 
 namespace nanoserve_decode {
@@ -25,6 +29,60 @@ struct Later {
   const T *keys = nullptr, *values = nullptr;
   int64_t cached = 0;
 };
+
+// Asks for one position's hd values to be brought into L1 (a hint: never faults).
+template <typename T>
+inline void prefetch_row(const T* p, int64_t hd) {
+  for (int64_t byte = 0; byte < hd * static_cast<int64_t>(sizeof(T)); byte += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + byte, _MM_HINT_T0);
+}
+
+// And into L2.
+template <typename T>
+inline void prefetch_row_l2(const T* p, int64_t hd) {
+  for (int64_t byte = 0; byte < hd * static_cast<int64_t>(sizeof(T)); byte += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + byte, _MM_HINT_T1);
+}
+
+// Calls f(t, pointer to position t's row) for t = 0..cached-1 by blocks (no division per
+// position), then for the new token (``fresh``, in the query's dtype). ``phase`` 0 reads the
+// keys, 1 the values.
+//
+// Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every block
+// boundary: while reading position i of block j this prefetches position i of the next block
+// in keys-then-values order into L1. One block ahead is too short to hide the memory's latency
+// behind a block's work, so it also asks for position i of block j of the ``later`` task (the
+// same phase) into L2: a batch-32 step's K/V (about 100 MB) come from memory, and 30 layers'
+// calls at 200 positions, alternating in one process, took 170 -> 136 us a layer (blocks in
+// order), 310 -> 236 us (blocks shuffled).
+template <typename T, typename V, typename Fresh, typename F>
+inline void for_each_position(const V& v, const int64_t* table, int64_t cached, const T* keys,
+                              const T* values, int phase, const Fresh* fresh,
+                              const Later<T>& later, F&& f) {
+  const int64_t bs = v.block_size, hd = v.hd, used = (cached + bs - 1) / bs;
+  const T* base = phase == 0 ? keys : values;
+  const T* later_base = phase == 0 ? later.keys : later.values;
+  for (int64_t first = 0, j = 0; first < cached; first += bs, ++j) {
+    const T* block = base + table[j] * bs * hd;
+    const int64_t ahead = phase * used + j + 1;  // the next block, values after keys
+    const T* next = ahead < used       ? keys + table[ahead] * bs * hd
+                    : ahead < 2 * used ? values + table[ahead - used] * bs * hd
+                                       : nullptr;
+    const int64_t count = std::min(bs, cached - first);
+    const T* far =
+        later.table && first < later.cached ? later_base + later.table[j] * bs * hd : nullptr;
+    const int64_t far_count = far ? std::min(bs, later.cached - first) : 0;
+    for (int64_t i = 0; i < count; ++i) {
+      if (next) prefetch_row(next + i * hd, hd);
+      if (i < far_count) prefetch_row_l2(far + i * hd, hd);
+      f(first + i, block + i * hd);
+    }
+    // A partial last key block leaves the rest of the first value block to ask for.
+    if (next)
+      for (int64_t i = count; i < bs; ++i) prefetch_row(next + i * hd, hd);
+  }
+  f(cached, fresh);
+}
 
 // The ranks of the arguments, before anything reads their sizes.
 inline void check_ranks(const char* op, const at::Tensor& q, const at::Tensor& kv,
