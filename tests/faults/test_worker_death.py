@@ -22,7 +22,7 @@ from tests.faults.conftest import (
     stream_completion,
     wait_until,
 )
-from tests.servers import start_server
+from tests.servers import server_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -69,25 +69,17 @@ async def test_sigkilled_worker_is_recomputed_and_streams_match(server):
 # thread: about 50 ms a token), short enough that an undisturbed run is not the test's cost.
 LONELY_TOKENS = 160
 # How long the lonely server's requests wait for a worker. A worker restarted by hand takes 18 s
-# to be ready on a loaded 2-core machine, and more than 30 s once in a CI run (7fffdb8) while
-# the other test process loaded the real model: the restarts below must always fit.
+# to be ready on a loaded 2-core machine, and more than 30 s once in a CI run while the other
+# test process loaded the real model: the restarts below must always fit.
 LONELY_WORKER_TIMEOUT = 60
+# How long the hasty server's requests wait: no worker comes back there, so the wait is most
+# of its one test's time.
+HASTY_WORKER_TIMEOUT = 5
 
-
-@pytest.fixture(scope="module")
-def lonely(tmp_path_factory: pytest.TempPathFactory):
-    """A server whose worker is not supervised, and whose requests wait
-    ``LONELY_WORKER_TIMEOUT`` for a worker."""
-    running = start_server(
-        tmp_path_factory.mktemp("lonely"),
-        audit=1,
-        worker_timeout=LONELY_WORKER_TIMEOUT,
-        threads=1,
-    )
-    try:
-        yield running
-    finally:
-        running.stop()
+# Servers whose worker is not supervised, and whose requests wait that long for a worker. The
+# hasty one serves one test: it stops when that test ends.
+lonely = server_fixture(audit=1, worker_timeout=LONELY_WORKER_TIMEOUT, threads=1)
+hasty = server_fixture(scope="function", audit=1, worker_timeout=HASTY_WORKER_TIMEOUT, threads=1)
 
 
 async def _kill_worker_mid_stream(server, prompt=PROMPTS[0]) -> tuple[asyncio.Task, Stream, float]:
@@ -131,24 +123,24 @@ async def test_another_geometry_fails_what_is_in_flight(lonely):
     await assert_pool_empty(lonely)
 
 
-async def test_no_worker_within_the_timeout_fails_clearly(lonely):
-    task, stream, killed = await _kill_worker_mid_stream(lonely)
-    await asyncio.wait_for(task, LONELY_WORKER_TIMEOUT + 30.0)
-    record(f"worker_timeout_{LONELY_WORKER_TIMEOUT}s_to_stream_error", time.monotonic() - killed)
-    gave_up = f"no worker came back within {LONELY_WORKER_TIMEOUT} s"
+async def test_no_worker_within_the_timeout_fails_clearly(hasty):
+    task, stream, killed = await _kill_worker_mid_stream(hasty)
+    await asyncio.wait_for(task, HASTY_WORKER_TIMEOUT + 30.0)
+    record(f"worker_timeout_{HASTY_WORKER_TIMEOUT}s_to_stream_error", time.monotonic() - killed)
+    gave_up = f"no worker came back within {HASTY_WORKER_TIMEOUT} s"
     assert stream.done and len(stream.errors) == 1
     assert gave_up in stream.errors[0]["error"]["message"]
-    status, body = await asyncio.to_thread(lonely.get, "/health")
+    status, body = await asyncio.to_thread(hasty.get, "/health")
     assert status == 503 and gave_up in body
     async with aiohttp.ClientSession() as session:
         async with session.post(
-            lonely.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}
+            hasty.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}
         ) as response:
             assert response.status == 503
             assert response.headers["Retry-After"] == "1"
-    lonely.start("worker")
-    await asyncio.to_thread(lonely.wait_healthy, 120.0)
-    await assert_pool_empty(lonely)
+    hasty.start("worker")
+    await asyncio.to_thread(hasty.wait_healthy, 120.0)
+    await assert_pool_empty(hasty)
 
 
 async def test_a_silent_worker_is_dropped_then_readmitted_when_it_speaks(server):
