@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/tiny_model.py
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # driver.py
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -44,7 +40,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_factory(tmp_path_factory):
     """make(name, **overrides) -> directory of a seeded tiny Llama (cached per name)."""
-    from tiny_model import make_tiny_llama
+    from tests.tiny_model import make_tiny_llama
 
     made: dict[str, Path] = {}
 

@@ -9,10 +9,10 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from conftest import hf_logits, make_worker
-from driver import Driver, greedy_requests
-from test_tiny_exact import LOGIT_TOL, PROMPTS, check, reference
 
+from tests.worker.conftest import hf_logits, make_worker
+from tests.worker.driver import Driver, greedy_requests
+from tests.worker.test_tiny_exact import LOGIT_TOL, PROMPTS, check, reference
 from worker.cpu import kernels
 
 # The module's one compile runs in a child at nice 19, as the worker runs it. Beside the suite's

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import BLOCK, HEADS, case, reference
-from conftest import make_worker
 
+from tests.worker.attention_cases import BLOCK, HEADS, case, reference
+from tests.worker.conftest import make_worker
 from worker.attention import CpuKernelBackend, TorchBackend
 from worker.cpu import kernels
 
@@ -172,7 +172,7 @@ def _count_calls(monkeypatch) -> tuple[list, list]:
 
 def _run_mixed(worker):
     """Chunked prefills beside decodes: "a" prefills in chunks of 5 while "b" and "c" decode."""
-    from driver import Driver, Request
+    from tests.worker.driver import Driver, Request
 
     prompts = {"a": list(range(3, 40)), "b": [5, 6, 7], "c": [9, 8, 7, 6]}
     requests = [Request(name, prompt, 6) for name, prompt in prompts.items()]

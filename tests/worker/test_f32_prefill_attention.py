@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import HEADS
 
+from tests.worker.attention_cases import HEADS
 from worker.cpu import kernels
 
 

@@ -17,10 +17,10 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_cases import BLOCK, HEADS, case, reference
-from conftest import make_worker
-from q4_cases import dequantized64, q4_case, w4a8_reference
 
+from tests.worker.attention_cases import BLOCK, HEADS, case, reference
+from tests.worker.conftest import make_worker
+from tests.worker.q4_cases import dequantized64, q4_case, w4a8_reference
 from worker.attention import CpuKernelBackend
 from worker.cpu import kernels
 from worker.linear.base import pack_q4, pack_w4a8
@@ -427,8 +427,7 @@ def _count_layer_kernels(monkeypatch) -> dict[str, int]:
 def test_eager_bfloat16_steps_norm_rotate_and_activate_with_them(tiny_dir, monkeypatch):
     """The worker turns them on for bfloat16 and they run in its eager steps; its tokens equal
     torch's operators' and its logits stay within bfloat16's reach."""
-    from driver import Driver, Request
-
+    from tests.worker.driver import Driver, Request
     from worker.model.llama import MLP, Attention, RMSNorm
 
     calls = _count_layer_kernels(monkeypatch)
@@ -460,7 +459,7 @@ def test_eager_steps_keep_the_kernels_while_another_thread_compiles(tiny_dir, mo
     """torch sets ``torch.compiler.is_compiling()`` for a whole compile session, process-wide:
     while the background thread loads the compiled graphs, the stepping thread's eager steps
     must not read it as their own tracing and fall back to torch's operators."""
-    from driver import Driver, Request
+    from tests.worker.driver import Driver, Request
 
     worker = make_worker(tiny_dir, dtype="bfloat16", compile=False)
     calls = _count_layer_kernels(monkeypatch)
@@ -552,7 +551,7 @@ def test_bfloat16_steps_attend_with_it_and_float32_steps_do_not(tiny_dir, monkey
             return real(*args)
 
     monkeypatch.setattr(torch.ops.nanoserve, "decode_attention", Counting())
-    from driver import Driver, Request
+    from tests.worker.driver import Driver, Request
 
     argmax_calls = []
     real_argmax = torch.ops.nanoserve.argmax
@@ -577,7 +576,7 @@ def test_bfloat16_steps_attend_with_it_and_float32_steps_do_not(tiny_dir, monkey
 def test_mixed_eager_steps_match_the_torch_attention(tiny_dir, monkeypatch):
     """Chunked prefills beside decodes, bucketed and padded: the kernel's logits stay within
     bfloat16's reach of the gather-and-bmm path's, and pick the same tokens."""
-    from driver import Driver, Request
+    from tests.worker.driver import Driver, Request
 
     def run():
         worker = make_worker(tiny_dir, dtype="bfloat16")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_worker
 
+from tests.worker.conftest import make_worker
 from worker import config
 from worker.cpu import kernels
 from worker.model.llama import MLP, RMSNorm
@@ -113,7 +113,7 @@ def _counting(monkeypatch, name: str) -> list:
 
 
 def _prefill(worker) -> None:
-    from driver import Driver, Request
+    from tests.worker.driver import Driver, Request
 
     Driver(worker, eos=[]).run([Request("a", list(range(3, 30)), 3)])
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_worker
-from q4_cases import w4a8_reference
 
+from tests.worker.conftest import make_worker
+from tests.worker.q4_cases import w4a8_reference
 from worker.cpu import kernels
 from worker.linear.layouts import attach_q4
 from worker.model.gguf import (

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from q4_cases import dequantized64, q4_case, w4a8_reference
 
+from tests.worker.q4_cases import dequantized64, q4_case, w4a8_reference
 from worker.cpu import kernels
 from worker.linear.base import pack_q4a8
 from worker.model.gguf import Q4Tensor
