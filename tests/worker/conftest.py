@@ -1,10 +1,17 @@
-"""Fixtures for worker tests: a private cache dir, the tiny model, HF references."""
+"""Fixtures for worker tests: a private cache dir, the tiny model, HF references, and the
+``kernels(kind)`` mark (``tests.worker.kernel_checks``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "kernels(kind): needs nanoserve's CPU kernels of that kind (kernel_checks)"
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -23,6 +30,17 @@ def private_cache(tmp_path_factory):
         (private / "kernels").symlink_to(shared, target_is_directory=True)
         os.environ["NANOSERVE_CACHE_DIR"] = str(private)
     yield
+
+
+@pytest.fixture(autouse=True)
+def marked_kernels(request: pytest.FixtureRequest, private_cache) -> None:
+    """A test marked ``kernels(kind)`` runs where those kernels do: it skips elsewhere, or fails
+    under NANOSERVE_REQUIRE_KERNELS=1 (``require_kernels``). After ``private_cache``: the first
+    look builds the kernels, and builds them there."""
+    from tests.worker.kernel_checks import require_kernels
+
+    for mark in request.node.iter_markers("kernels"):
+        require_kernels(*mark.args)
 
 
 @pytest.fixture(scope="session", autouse=True)

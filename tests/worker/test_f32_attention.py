@@ -16,6 +16,7 @@ import torch
 
 from tests.worker.attention_cases import BLOCK, HEADS, case, reference
 from tests.worker.conftest import make_worker
+from tests.worker.kernel_checks import require_kernels
 from worker.attention import CpuKernelBackend, TorchBackend
 from worker.cpu import kernels
 
@@ -23,8 +24,7 @@ from worker.cpu import kernels
 @pytest.fixture(autouse=True)
 def built(private_cache):
     """Build (or load) the kernels in the tests' private cache, or skip where they cannot be."""
-    if not kernels.loaded():
-        pytest.skip("needs AVX2, FMA and a C++ compiler (worker.cpu.kernels)")
+    require_kernels("avx2")
 
 
 def attend(q, kv, layer, blocks, cached, block_size=BLOCK):

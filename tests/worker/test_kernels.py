@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from tests.worker.attention_cases import BLOCK, HEADS, case, reference
 from tests.worker.conftest import make_worker
+from tests.worker.kernel_checks import require_kernels
 from tests.worker.q4_cases import dequantized64, q4_case, w4a8_reference
 from worker.attention import CpuKernelBackend
 from worker.cpu import kernels
@@ -31,8 +32,7 @@ from worker.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 @pytest.fixture(autouse=True)
 def built(private_cache):
     """Build (or load) the kernel in the tests' private cache, or skip where it cannot be."""
-    if not kernels.available():
-        pytest.skip("needs AVX-512 and a C++ compiler (worker.cpu.kernels)")
+    require_kernels("avx512")
 
 
 @pytest.mark.parametrize(**HEADS)
@@ -141,9 +141,7 @@ def _prefill_reference(q, layer, blocks, start):
     return out
 
 
-@pytest.mark.skipif(
-    not kernels.uses_bf16(), reason="the prefill operator needs AVX512-BF16 (else: SDPA)"
-)
+@pytest.mark.kernels("bf16")  # else prefills take SDPA
 @pytest.mark.parametrize(
     "n_kv, nq, hd",
     [(3, 9, 64), (2, 14, 128), (1, 8, 32), (4, 4, 64), (2, 16, 64)],
@@ -165,7 +163,7 @@ def test_prefill_attention_equals_float64_causal_attention(n_kv, nq, hd, start, 
     assert (error <= want.abs() * 2**-8 + 1e-4).all(), error.max().item()
 
 
-@pytest.mark.skipif(not kernels.uses_bf16(), reason="the prefill operator needs AVX512-BF16")
+@pytest.mark.kernels("bf16")
 def test_prefill_attention_reads_only_the_positions_each_query_may_see():
     q, layer, blocks = _prefill_case(3, 9, 64, 20, 10, seed=7)
     before = torch.ops.nanoserve.prefill_attention(q, layer, blocks, 20, BLOCK)
@@ -184,7 +182,7 @@ def test_prefill_attention_reads_only_the_positions_each_query_may_see():
     assert all(not torch.equal(after[i], before[i]) for i in range(5, 10))
 
 
-@pytest.mark.skipif(not kernels.uses_bf16(), reason="the prefill operator needs AVX512-BF16")
+@pytest.mark.kernels("bf16")
 def test_prefill_attention_refuses_what_it_cannot_compute():
     q, layer, blocks = _prefill_case(3, 9, 64, 10, 20, seed=3)
     attend = torch.ops.nanoserve.prefill_attention
@@ -208,7 +206,7 @@ def test_prefill_attention_refuses_what_it_cannot_compute():
         attend(q, layer[:, :2], blocks, 10, BLOCK)
 
 
-needs_bf16 = pytest.mark.skipif(not kernels.uses_bf16(), reason="q4_linear needs AVX512-BF16")
+needs_bf16 = pytest.mark.kernels("bf16")  # q4_linear
 
 
 @needs_bf16
@@ -267,7 +265,7 @@ def test_q4_linear_refuses_what_it_cannot_compute():
         linear(x, packed[0][..., :128], packed[1], packed[2])
 
 
-needs_vnni = pytest.mark.skipif(not kernels.uses_vnni(), reason="w4a8_linear needs AVX512-VNNI")
+needs_vnni = pytest.mark.kernels("vnni")  # w4a8_linear
 
 
 @needs_vnni
@@ -513,7 +511,7 @@ def test_argmax_refuses_what_it_cannot_compute():
         torch.ops.nanoserve.argmax(torch.zeros(2, 0))
 
 
-@pytest.mark.skipif(not kernels.uses_bf16(), reason="the float32 scoring is the default here")
+@pytest.mark.kernels("bf16")  # else the float32 scoring is the default
 def test_the_float32_scoring_too():
     """Where the CPU has AVX512-BF16 the scores take vdpbf16ps, and the float32 path is compiled
     out: build it (NANOSERVE_KERNELS_BF16=0, its own directory) and run the numeric tests on
@@ -594,7 +592,7 @@ def test_mixed_eager_steps_match_the_torch_attention(tiny_dir, monkeypatch):
         assert worst < 0.05, worst
 
 
-@pytest.mark.skipif(not kernels.available(), reason="needs the kernels built here")
+@pytest.mark.kernels("avx512")
 def test_a_stale_build_lock_does_not_block_the_next_load(tmp_path):
     """A build killed mid-way leaves cpp_extension's ``lock`` file; the next process removes it
     (under an flock no dead process can hold) instead of waiting on it forever."""
@@ -618,7 +616,7 @@ def test_a_stale_build_lock_does_not_block_the_next_load(tmp_path):
     assert not (build / "lock").exists()
 
 
-@pytest.mark.skipif(not kernels.available(), reason="needs the kernels built here")
+@pytest.mark.kernels("avx512")
 def test_another_torch_build_builds_in_a_directory_of_its_own(monkeypatch):
     """Another torch version or commit has other headers: its kernels are built apart."""
     built = kernels._load()
@@ -629,7 +627,7 @@ def test_another_torch_build_builds_in_a_directory_of_its_own(monkeypatch):
     assert other.name.startswith(f"torch-{torch.__version__}")
 
 
-@pytest.mark.skipif(not kernels.available(), reason="needs the kernels built here")
+@pytest.mark.kernels("avx512")
 def test_another_venv_with_the_same_torch_loads_the_build_without_ninja(tmp_path):
     """A fresh clone's virtual environment installs the same torch elsewhere. Its build
     commands name that directory, so ninja would rebuild a build made from another venv (48 s
@@ -666,7 +664,7 @@ def test_another_venv_with_the_same_torch_loads_the_build_without_ninja(tmp_path
     assert "/elsewhere/" in ninja.read_text(), "ninja ran"
 
 
-@pytest.mark.skipif(not kernels.available(), reason="needs the kernels built here")
+@pytest.mark.kernels("avx512")
 def test_another_checkout_loads_the_same_build_without_compiling(tmp_path):
     """Ninja rebuilds when a source's path changes, not only its bytes: the build must not
     depend on where the checkout is, or two checkouts taking turns compile again (half a

@@ -14,16 +14,15 @@ import pytest
 import torch
 
 from tests.worker.conftest import make_worker
+from tests.worker.kernel_checks import require_kernels
 from worker import config
-from worker.cpu import kernels
 from worker.model.llama import MLP, RMSNorm
 
 
 @pytest.fixture(autouse=True)
 def built(private_cache):
     """Build (or load) the kernels in the tests' private cache, or skip where they cannot be."""
-    if not kernels.loaded():
-        pytest.skip("needs AVX2, FMA and a C++ compiler (worker.cpu.kernels)")
+    require_kernels("avx2")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rel: float = 2e-6) -> bool:
