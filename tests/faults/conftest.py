@@ -117,6 +117,18 @@ async def stream_completion(
     return into
 
 
+def start_streams(
+    session: aiohttp.ClientSession, server: Server, bodies: list[dict]
+) -> tuple[list[Stream], list[asyncio.Task]]:
+    """One streamed completion a body, started now; each Stream fills as its events arrive."""
+    streams = [Stream() for _ in bodies]
+    tasks = [
+        asyncio.create_task(stream_completion(session, server, body, stream))
+        for body, stream in zip(bodies, streams, strict=True)
+    ]
+    return streams, tasks
+
+
 async def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> None:
     """Wait (bounded) for a predicate over in-process state, yielding to the event loop."""
     deadline = time.monotonic() + timeout

@@ -19,6 +19,7 @@ from tests.faults.conftest import (
     Stream,
     assert_pool_empty,
     record,
+    start_streams,
     stream_completion,
     wait_until,
 )
@@ -91,11 +92,7 @@ async def test_a_sigkilled_rank_is_the_workers_death(ranks):
         leader = server.child_pid("worker")
         group = [leader, *children(leader)]
         assert len(group) == SIZE, group
-        streams = [Stream() for _ in STORIES]
-        tasks = [
-            asyncio.create_task(stream_completion(session, server, {**LONG, "prompt": p}, s))
-            for p, s in zip(STORIES, streams, strict=True)
-        ]
+        streams, tasks = start_streams(session, server, [{**LONG, "prompt": p} for p in STORIES])
         await wait_until(lambda: all(len(s.times) >= 2 for s in streams), what="first tokens")
         mark = server.log_size("scheduler")
         killed = time.monotonic()

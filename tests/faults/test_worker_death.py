@@ -19,6 +19,7 @@ from tests.faults.conftest import (
     Stream,
     assert_pool_empty,
     record,
+    start_streams,
     stream_completion,
     wait_until,
 )
@@ -37,11 +38,7 @@ async def test_sigkilled_worker_is_recomputed_and_streams_match(server):
         )
         assert all(s.done and not s.errors and s.text for s in undisturbed)
 
-        streams = [Stream() for _ in PROMPTS]
-        tasks = [
-            asyncio.create_task(stream_completion(session, server, {**BODY, "prompt": p}, s))
-            for p, s in zip(PROMPTS, streams, strict=True)
-        ]
+        streams, tasks = start_streams(session, server, [{**BODY, "prompt": p} for p in PROMPTS])
         await wait_until(lambda: all(len(s.times) >= 2 for s in streams), what="first tokens")
         pid = server.child_pid("worker")
         mark = server.log_size("scheduler")
@@ -143,18 +140,24 @@ async def test_no_worker_within_the_timeout_fails_clearly(hasty):
     await assert_pool_empty(hasty)
 
 
+async def _stopped_until_silent(server, pid: int, mark: int, within: float, name: str) -> None:
+    """SIGSTOP the worker ``pid`` until the scheduler logs it silent (bounded by ``within``,
+    recorded as ``name``), then SIGCONT it."""
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        await asyncio.to_thread(server.wait_log, "scheduler", r"worker lost \(silent", mark, within)
+        record(name, time.monotonic() - stopped)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 async def test_a_silent_worker_is_dropped_then_readmitted_when_it_speaks(server):
     """The heartbeat backstop: a stopped (not dead) idle worker keeps its connection open, so
     only its silence tells. When it resumes, the scheduler greets it and it re-announces."""
     pid = server.child_pid("worker")
     mark = server.log_size("scheduler")
-    os.kill(pid, signal.SIGSTOP)
-    stopped = time.monotonic()
-    try:
-        await asyncio.to_thread(server.wait_log, "scheduler", r"worker lost \(silent", mark, 5.0)
-        record("idle_worker_sigstop_to_detected", time.monotonic() - stopped)
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    await _stopped_until_silent(server, pid, mark, 5.0, "idle_worker_sigstop_to_detected")
     await asyncio.to_thread(server.wait_log, "scheduler", r"worker ready", mark, 10.0)
     assert server.child_pid("worker") == pid  # the same process, greeted again
     await asyncio.to_thread(server.wait_healthy, 10.0)
@@ -172,13 +175,7 @@ async def test_a_worker_hung_mid_step_is_dropped_and_its_requests_recomputed(ser
         await wait_until(lambda: len(stream.times) >= 2, what="first tokens")
         pid = server.child_pid("worker")
         mark = server.log_size("scheduler")
-        os.kill(pid, signal.SIGSTOP)
-        stopped = time.monotonic()
-        try:
-            await asyncio.to_thread(server.wait_log, "scheduler", r"worker lost \(silent", mark, 6)
-            record("busy_worker_sigstop_to_detected", time.monotonic() - stopped)
-        finally:
-            os.kill(pid, signal.SIGCONT)
+        await _stopped_until_silent(server, pid, mark, 6.0, "busy_worker_sigstop_to_detected")
         await asyncio.wait_for(task, 60.0)
     assert stream.done and not stream.errors and stream.text == undisturbed.text
     assert server.child_pid("worker") == pid
