@@ -54,7 +54,8 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, role: str, *extra: str, supervised: bool = False) -> subprocess.Popen:
-        """Start (or restart) one role's process, its output going to <log_dir>/<role>.log."""
+        """Start (or restart) one role's process (or ``serve``'s, all three in one tree), its output
+        going to <log_dir>/<role>.log."""
         log = open(self.log_dir / f"{role}.log", "ab")  # noqa: SIM115 - closed with the process
         command = [sys.executable, "-m", "nanoserve.cli", role, *extra]
         if supervised:
