@@ -1,9 +1,13 @@
-"""Start the three real nanoserve processes for a test, and end them by PID.
+"""Start real nanoserve processes for a test, and end them by PID: the one place tests do.
 
 Each server gets its own run id (so its ipc sockets never collide with another run's) and a
 free port on 127.0.0.1. Every wait is bounded; ``stop`` SIGTERMs, then SIGKILLs what lingers.
 A role started ``supervised`` runs under ``nanoserve supervise``, which writes its child's PID to
 <log_dir>/<role>.pid, so a test can kill the child and watch it come back.
+
+``server_fixture(**options)`` makes a module's (or a session's) fixture of a whole stack;
+``start_server`` starts a stack, or some of its roles, inside a test; ``Server.join`` is another
+process on a running server's sockets.
 """
 
 from __future__ import annotations
@@ -19,8 +23,11 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 ROLES = ("scheduler", "worker", "frontend")
 
@@ -47,7 +54,8 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, role: str, *extra: str, supervised: bool = False) -> subprocess.Popen:
-        """Start (or restart) one role's process, its output going to <log_dir>/<role>.log."""
+        """Start (or restart) one role's process (or ``serve``'s, all three in one tree), its output
+        going to <log_dir>/<role>.log."""
         log = open(self.log_dir / f"{role}.log", "ab")  # noqa: SIM115 - closed with the process
         command = [sys.executable, "-m", "nanoserve.cli", role, *extra]
         if supervised:
@@ -58,6 +66,14 @@ class Server:
         log.close()
         self.processes[role] = process
         return process
+
+    def join(self, log_dir: Path, **options: object) -> Server:
+        """Another Server on this one's run (its sockets, its environment plus ``options``) with
+        a port of its own and nothing started: a second frontend, say."""
+        port = free_port()
+        env = {**self.env, **_variables(options), "NANOSERVE_PORT": str(port)}
+        log_dir.mkdir(parents=True, exist_ok=True)
+        return Server(port=port, run_id=self.run_id, log_dir=log_dir, env=env)
 
     def pid_file(self, role: str) -> Path:
         """Where a supervised role's supervisor writes its child's PID."""
@@ -136,7 +152,7 @@ class Server:
     def logs(self, tail: int = 40) -> str:
         """The last lines of every process's log."""
         parts = []
-        for role in ROLES:
+        for role in dict.fromkeys([*ROLES, *self.processes]):
             path = self.log_dir / f"{role}.log"
             if path.exists():
                 lines = path.read_text(errors="replace").splitlines()[-tail:]
@@ -165,24 +181,85 @@ class Server:
             pass
 
 
-def start_server(log_dir: Path, supervised: tuple[str, ...] = (), **options: object) -> Server:
-    """Start scheduler, worker and frontend with NANOSERVE_<OPTION> set from ``options``;
-    the roles in ``supervised`` run under ``nanoserve supervise``."""
+def new_server(log_dir: Path, run_id: str | None = None, **options: object) -> Server:
+    """A Server with nothing started yet: a run id of its own (or ``run_id``, whose sockets its
+    processes then use), a free port, and NANOSERVE_<OPTION> set from ``options``."""
     port = free_port()
-    run_id = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    run_id = run_id or f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ)
     env.update({"NANOSERVE_RUN_ID": run_id, "NANOSERVE_PORT": str(port), "PYTHONUNBUFFERED": "1"})
-    env.update({f"NANOSERVE_{k.upper()}": str(v) for k, v in options.items()})
+    env.update(_variables(options))
     log_dir.mkdir(parents=True, exist_ok=True)
-    server = Server(port=port, run_id=run_id, log_dir=log_dir, env=env)
+    return Server(port=port, run_id=run_id, log_dir=log_dir, env=env)
+
+
+def start_server(
+    log_dir: Path,
+    roles: tuple[str, ...] = ROLES,
+    supervised: tuple[str, ...] = (),
+    run_id: str | None = None,
+    **options: object,
+) -> Server:
+    """Start ``roles`` (scheduler, worker and frontend unless told) with NANOSERVE_<OPTION> set
+    from ``options``; the roles in ``supervised`` run under ``nanoserve supervise``. A whole
+    stack is returned healthy; fewer roles, as soon as they are started."""
+    server = new_server(log_dir, run_id, **options)
     try:
-        for role in ROLES:
+        for role in roles:
             server.start(role, supervised=role in supervised)
-        server.wait_healthy()
+        if set(roles) == set(ROLES):
+            server.wait_healthy()
     except BaseException:
         server.stop()
         raise
     return server
+
+
+def server_fixture(
+    scope: str = "module",
+    after_stop: Callable[[Server], None] | None = None,
+    **options: object,
+) -> Callable[..., Iterator[Server]]:
+    """A fixture of one server started by ``start_server(**options)`` once per ``scope``, its
+    logs under a tmp directory named after the fixture; ``after_stop(server)`` runs once it is
+    stopped. A module declares each server it needs: ``server = server_fixture(audit=1)``."""
+
+    @pytest.fixture(scope=scope)
+    def fixture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+        running = start_server(tmp_path_factory.mktemp(request.fixturename), **options)
+        try:
+            yield running
+        finally:
+            running.stop()
+            if after_stop is not None:
+                after_stop(running)
+
+    return fixture
+
+
+def _variables(options: dict[str, object]) -> dict[str, str]:
+    """``{"num_slots": 4}`` as ``{"NANOSERVE_NUM_SLOTS": "4"}``."""
+    return {f"NANOSERVE_{name.upper()}": str(value) for name, value in options.items()}
+
+
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (from any of its threads), from /proc."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            pass  # the thread (or the process) ended meanwhile
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def sse_events(raw: bytes) -> list[dict]:

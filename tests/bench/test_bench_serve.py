@@ -4,7 +4,6 @@ concurrency cap, Poisson pacing, failures, goodput, /metrics busy ratio, CLI tab
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import socket
@@ -18,6 +17,7 @@ from nanoserve.bench.data import arrival_offsets
 from nanoserve.bench.serve import BenchServe, BenchServeConfig
 from nanoserve.cli import UserError
 from nanoserve.commands import bench_serve as command
+from tests.bench.cli import bench_serve
 from tests.bench.stub_openai_server import MODEL, StubOpenAIServer, StubScript
 
 pytestmark = pytest.mark.timeout(20)
@@ -116,22 +116,15 @@ async def test_unreachable_server_is_a_one_line_user_error():
         await BenchServe(config).run()
 
 
-def _cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    command.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["serve", *argv])
-    return args.func(args)
-
-
 async def test_cli_prints_table_and_writes_json(tmp_path, capsys):
     path = tmp_path / "out.json"
     async with StubOpenAIServer(StubScript(metrics=False, first_delay=0.0)) as stub:
         argv = ["--base-url", stub.base_url, "--num-prompts", "5", "--input-len", "4"]
         argv += ["--output-len", "3", "--max-concurrency", "2", "--json", str(path)]
         extra = ["--goodput", "ttft:5000", "--extra-body", '{"cache_prompt": false}']
-        assert await asyncio.to_thread(_cli, [*argv, *extra]) == 0
+        assert await asyncio.to_thread(bench_serve, [*argv, *extra]) == 0
         table = capsys.readouterr().out
-        assert await asyncio.to_thread(_cli, [*argv[:-2], "--json", "-"]) == 0
+        assert await asyncio.to_thread(bench_serve, [*argv[:-2], "--json", "-"]) == 0
         streamed = capsys.readouterr()
     for label in ("Successful requests:", "Output token throughput", "P99 ITL (ms):"):
         assert label in table
@@ -161,7 +154,7 @@ async def test_cli_flag_errors_are_one_line(argv, message, capsys):
     async with StubOpenAIServer(StubScript(first_delay=0.0, token_delay=0.0)) as stub:
         base = ["--base-url", stub.base_url, "--num-prompts", "1", "--output-len", "1"]
         try:
-            await asyncio.to_thread(_cli, [*base, *argv])
+            await asyncio.to_thread(bench_serve, [*base, *argv])
         except SystemExit:  # argparse: usage line plus one error line
             assert message in capsys.readouterr().err
         except ValueError as exc:  # nanoserve.cli.main prints these as one line

@@ -4,24 +4,16 @@ the comparison and the mask time per token (from /metrics) are printed and writt
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 
 import pytest
 
 from nanoserve.bench.structured import RESPONSE_FORMAT
-from nanoserve.commands import bench_serve as command
+from tests.bench.cli import bench_serve
 from tests.bench.stub_openai_server import StubOpenAIServer, StubScript
 
 pytestmark = pytest.mark.timeout(20)
-
-
-def _cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    command.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["serve", *argv])
-    return args.func(args)
 
 
 async def test_structured_runs_the_load_twice_and_compares(tmp_path, capsys):
@@ -29,7 +21,7 @@ async def test_structured_runs_the_load_twice_and_compares(tmp_path, capsys):
     async with StubOpenAIServer(StubScript(first_delay=0.0, token_delay=0.001)) as stub:
         argv = ["--base-url", stub.base_url, "--num-prompts", "6", "--output-len", "4"]
         argv += ["--max-concurrency", "3", "--structured", "json-schema", "--json", str(path)]
-        assert await asyncio.to_thread(_cli, argv) == 0
+        assert await asyncio.to_thread(bench_serve, argv) == 0
     out = capsys.readouterr().out
     free, bound = stub.bodies[:7], stub.bodies[7:]  # each run: 1 warmup + 6 timed
     assert len(bound) == 7 and not any("response_format" in b for b in free)

@@ -7,19 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.servers import Server, server_fixture
 
-from tests.servers import Server, start_server
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    """The default model behind the real three processes, audited between every iteration."""
-    running = start_server(tmp_path_factory.mktemp("server"), audit=1, num_slots=96)
-    try:
-        yield running
-    finally:
-        running.stop()
+# The default model behind the real three processes, audited between every iteration.
+server = server_fixture(audit=1, num_slots=96)
 
 
 def generate_offline(tmp_path: Path, lines: list[dict], *flags: str) -> list[dict]:

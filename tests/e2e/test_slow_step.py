@@ -14,22 +14,14 @@ import aiohttp
 import pytest
 
 from tests.e2e.conftest import generate_offline
-from tests.servers import start_server
+from tests.servers import server_fixture
 
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
-@pytest.fixture(scope="module")
-def slow_server(tmp_path_factory: pytest.TempPathFactory):
-    running = start_server(
-        tmp_path_factory.mktemp("slow"), audit=1, debug_step_delay=1.5, num_slots=1
-    )
-    try:
-        yield running
-    finally:
-        running.stop()
+slow_server = server_fixture(audit=1, debug_step_delay=1.5, num_slots=1)
 
 
 async def _snapshot_where(server, predicate, timeout: float = 10.0) -> dict[str, float]:

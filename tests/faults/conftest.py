@@ -9,50 +9,37 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import aiohttp
-import pytest
 
-from tests.servers import Server, start_server
+from tests.servers import Server, server_fixture
 
 MODEL = "SmolLM2-135M-Instruct"
 TIMINGS: dict[str, float] = {}
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    """The default model behind three real processes; scheduler and worker supervised."""
-    running = start_server(
-        tmp_path_factory.mktemp("faults"),
-        supervised=("scheduler", "worker"),
-        audit=1,
-        num_slots=64,
-        threads=1,  # other test processes share the cores: one thread never oversubscribes
-    )
-    try:
-        yield running
-    finally:
-        running.stop()
-        print("\nfault timings (s):", json.dumps(TIMINGS, indent=1))
-        (running.log_dir / "timings.json").write_text(json.dumps(TIMINGS, indent=1))
+def _report_timings(server: Server) -> None:
+    """Print the timings the session's tests recorded and keep them beside its logs."""
+    print("\nfault timings (s):", json.dumps(TIMINGS, indent=1))
+    (server.log_dir / "timings.json").write_text(json.dumps(TIMINGS, indent=1))
 
 
-@pytest.fixture
-def lone_scheduler(tmp_path):
-    """A real scheduler process and nothing else: tests talk to its two ROUTERs through raw
-    DEALER sockets at ``default_addresses(lone_scheduler.run_id)``."""
-    run_id = f"s{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "NANOSERVE_RUN_ID": run_id, "PYTHONUNBUFFERED": "1"}
-    running = Server(port=0, run_id=run_id, log_dir=tmp_path, env=env)
-    running.start("scheduler")
-    try:
-        yield running
-    finally:
-        running.stop()
+# The default model behind three real processes; scheduler and worker supervised. Shared by
+# every module here (session scope): each test leaves it healthy and its pool empty.
+server = server_fixture(
+    scope="session",
+    after_stop=_report_timings,
+    supervised=("scheduler", "worker"),
+    audit=1,
+    num_slots=64,
+    threads=1,  # other test processes share the cores: one thread never oversubscribes
+)
+
+# A real scheduler process and nothing else: tests talk to its two ROUTERs through raw DEALER
+# sockets at ``default_addresses(lone_scheduler.run_id)``.
+lone_scheduler = server_fixture(scope="function", roles=("scheduler",))
 
 
 def record(name: str, seconds: float) -> None:
@@ -128,6 +115,18 @@ async def stream_completion(
             into.finish_reason = choice.get("finish_reason") or into.finish_reason
             into.times.append(time.monotonic())
     return into
+
+
+def start_streams(
+    session: aiohttp.ClientSession, server: Server, bodies: list[dict]
+) -> tuple[list[Stream], list[asyncio.Task]]:
+    """One streamed completion a body, started now; each Stream fills as its events arrive."""
+    streams = [Stream() for _ in bodies]
+    tasks = [
+        asyncio.create_task(stream_completion(session, server, body, stream))
+        for body, stream in zip(bodies, streams, strict=True)
+    ]
+    return streams, tasks
 
 
 async def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> None:

@@ -1,5 +1,6 @@
-"""Raw DEALER sockets that stand in for a frontend or a worker against a real scheduler: they
-encode and decode messages themselves, so they can send what no nanoserve peer would."""
+"""Raw sockets: DEALERs that stand in for a frontend or a worker against a real scheduler, and a
+ROUTER that stands in for the scheduler. They encode and decode messages themselves, so they can
+send what no nanoserve peer would."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ def dealer(context: zmq.Context, address: str, identity: bytes | None = None) ->
     if identity is not None:
         socket.setsockopt(zmq.ROUTING_ID, identity)
     socket.connect(address)
+    return socket
+
+
+def bound_router(context: zmq.Context, address: str) -> zmq.Socket:
+    """A ROUTER bound at ``address``: a raw scheduler that a real frontend or worker connects to."""
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.bind(address)
     return socket
 
 

@@ -17,30 +17,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.faults.conftest import MODEL, assert_pool_empty, record
-from tests.servers import start_server
+from tests.servers import server_fixture
 
 pytestmark = pytest.mark.slow
 
 NUM_STREAMS = 1000
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    """This module's own server, as the shared one but in the served default dtype (bfloat16
-    where the CPU computes it): these tests compare no tokens, abuse meets what users run, and
-    the thousand streams take about 35 s there against 55 in float32."""
-    running = start_server(
-        tmp_path_factory.mktemp("abuse"),
-        supervised=("scheduler", "worker"),
-        audit=1,
-        num_slots=64,
-        threads=1,
-        dtype="auto",
-    )
-    try:
-        yield running
-    finally:
-        running.stop()
+# This module's own server, as the shared one but in the served default dtype (bfloat16 where
+# the CPU computes it): these tests compare no tokens, abuse meets what users run, and the
+# thousand streams take about 35 s there against 55 in float32.
+server = server_fixture(
+    supervised=("scheduler", "worker"), audit=1, num_slots=64, threads=1, dtype="auto"
+)
 
 
 async def _one_stream(session, server, rng: random.Random, index: int) -> tuple[int, bool]:

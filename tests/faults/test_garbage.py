@@ -6,10 +6,7 @@ worker and the frontend through a fake scheduler ROUTER they connect to."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import subprocess
-import sys
 import uuid
 
 import msgspec
@@ -32,12 +29,12 @@ from protocol.messages import (
     WorkerToScheduler,
 )
 from tests.faults.conftest import assert_pool_empty, wait_metrics
-from tests.servers import Server, free_port
+from tests.faults.raw import ENCODE, bound_router, dealer
+from tests.servers import new_server, start_server
 from tests.tiny_model import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 
-ENCODE = msgspec.msgpack.encode
 BAD = "nanoserve:scheduler_bad_messages_total"
 
 
@@ -52,13 +49,6 @@ def _garbage(seed: int, valid: bytes, wrong_type: bytes, other_version: bytes) -
         [other_version],
         [ENCODE([1, 2, 3])],  # msgpack, but no message at all
     ]
-
-
-def _dealer(context: zmq.Context, address: str) -> zmq.Socket:
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(address)
-    return socket
 
 
 async def test_garbage_to_the_scheduler_is_counted_and_dropped(server):
@@ -85,8 +75,8 @@ async def test_garbage_to_the_scheduler_is_counted_and_dropped(server):
     to_workers = _garbage(2, ENCODE(ready), add, ENCODE(ready))
     context = zmq.Context()
     try:
-        frontend = _dealer(context, addresses.frontend)
-        worker = _dealer(context, addresses.worker)
+        frontend = dealer(context, addresses.frontend)
+        worker = dealer(context, addresses.worker)
         for frames in to_frontends:
             frontend.send_multipart(frames)
         for frames in to_workers:
@@ -120,17 +110,10 @@ def test_garbage_to_the_worker_is_dropped_and_it_keeps_answering(tmp_path):
     run_id = f"g{uuid.uuid4().hex[:8]}"
     addresses = default_addresses(run_id)
     context = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(addresses.worker)
+    router = bound_router(context, addresses.worker)
     log = tmp_path / "worker.log"
-    command = [sys.executable, "-m", "nanoserve.cli", "worker", "--model", str(model)]
-    with open(log, "wb") as out:
-        worker = subprocess.Popen(
-            [*command, "--run-id", run_id, "--num-blocks", "8", "--num-slots", "2"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    alone = new_server(tmp_path, run_id)
+    worker = alone.start("worker", "--model", str(model), "--num-blocks", "8", "--num-slots", "2")
     decoder = msgspec.msgpack.Decoder(WorkerToScheduler)
     try:
         if not router.poll(60_000):
@@ -155,28 +138,17 @@ def test_garbage_to_the_worker_is_dropped_and_it_keeps_answering(tmp_path):
         assert f"dropped bad message #{len(garbage)} " in text  # the version one counted too
         assert "a scheduler speaking protocol 99" in text
     finally:
-        worker.terminate()
-        try:
-            code = worker.wait(10)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            code = worker.wait()
+        alone.stop()
         context.destroy(linger=0)
-    assert code == 0
+    assert worker.returncode == 0
 
 
 def test_garbage_to_the_frontend_is_counted_and_it_keeps_serving(tmp_path):
     run_id = f"g{uuid.uuid4().hex[:8]}"
     addresses = default_addresses(run_id)
     context = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(addresses.frontend)
-    env = {**os.environ, "NANOSERVE_RUN_ID": run_id}
-    port = free_port()
-    env["NANOSERVE_PORT"] = str(port)
-    frontend = Server(port=port, run_id=run_id, log_dir=tmp_path, env=env)
-    frontend.start("frontend")
+    router = bound_router(context, addresses.frontend)
+    frontend = start_server(tmp_path, roles=("frontend",), run_id=run_id)
     try:
         if not router.poll(60_000):
             raise AssertionError(f"the frontend never said hello\n{frontend.logs()}")

@@ -17,6 +17,7 @@ from tests.faults.conftest import (
     Stream,
     assert_pool_empty,
     record,
+    start_streams,
     stream_completion,
     wait_until,
 )
@@ -61,8 +62,7 @@ async def test_sigkilled_scheduler_fails_fast_then_recovers(server):
 async def test_sigkilled_frontend_is_forgotten_and_its_requests_aborted(server):
     frontend = server.processes["frontend"]
     async with aiohttp.ClientSession() as session:
-        streams = [Stream() for _ in range(3)]
-        tasks = [asyncio.create_task(stream_completion(session, server, LONG, s)) for s in streams]
+        streams, tasks = start_streams(session, server, [LONG] * 3)
         await wait_until(lambda: all(s.times for s in streams), what="first tokens")
         mark = server.log_size("scheduler")
         killed = time.monotonic()

@@ -15,7 +15,6 @@ import pytest
 
 from protocol.addresses import default_addresses
 from tests.faults.conftest import MODEL, assert_pool_empty
-from tests.servers import Server, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -63,9 +62,7 @@ def test_no_pickle_between_processes():
 
 
 async def test_api_key_is_required_on_v1(server, tmp_path):
-    port = free_port()
-    env = {**server.env, "NANOSERVE_PORT": str(port), "NANOSERVE_API_KEY": "s3cret-key"}
-    guarded = Server(port=port, run_id=server.run_id, log_dir=tmp_path, env=env)
+    guarded = server.join(tmp_path, api_key="s3cret-key")
     guarded.start("frontend")  # a second frontend on the same scheduler
     try:
         await asyncio.to_thread(guarded.wait_healthy, 60.0)
@@ -96,9 +93,7 @@ async def test_api_key_is_required_on_v1(server, tmp_path):
 
 async def test_api_keys_never_share_cached_blocks(server, tmp_path):
     """Two keys, one prompt: each key hits only the blocks its own requests computed."""
-    port = free_port()
-    env = {**server.env, "NANOSERVE_PORT": str(port), "NANOSERVE_API_KEY": "key-a,key-b"}
-    tenants = Server(port=port, run_id=server.run_id, log_dir=tmp_path, env=env)
+    tenants = server.join(tmp_path, api_key="key-a,key-b")
     tenants.start("frontend")
     prompt = " ".join(f"isolation{i}" for i in range(60))  # well over a few 16-token blocks
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}

@@ -15,7 +15,14 @@ import aiohttp
 import jsonschema
 import pytest
 
-from tests.faults.conftest import Stream, assert_pool_empty, record, stream_completion, wait_until
+from tests.faults.conftest import (
+    Stream,
+    assert_pool_empty,
+    record,
+    start_streams,
+    stream_completion,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -67,11 +74,7 @@ async def test_constrained_streams_survive_a_worker_sigkill(server):
         assert all(s.done and not s.errors and s.finish_reason == "stop" for s in undisturbed)
         assert min(len(s.times) for s in undisturbed) > 20, "too short to be killed midway"
 
-        streams = [Stream() for _ in bodies]
-        tasks = [
-            asyncio.create_task(stream_completion(session, server, body, stream))
-            for body, stream in zip(bodies, streams, strict=True)
-        ]
+        streams, tasks = start_streams(session, server, bodies)
         await wait_until(lambda: all(len(s.times) >= 3 for s in streams), what="first tokens")
         pid = server.child_pid("worker")
         mark = server.log_size("scheduler")

@@ -10,7 +10,6 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -20,10 +19,11 @@ from tests.faults.conftest import (
     Stream,
     assert_pool_empty,
     record,
+    start_streams,
     stream_completion,
     wait_until,
 )
-from tests.servers import Server, start_server
+from tests.servers import Server, alive, children, server_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -33,54 +33,27 @@ COMPLETIONS = ["Once upon a time"]
 BODY = {"max_tokens": 32, "temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory):
-    running = start_server(
-        tmp_path_factory.mktemp("tp"),
-        supervised=("worker",),
-        audit=1,
-        dtype="float32",
-        tensor_parallel_size=SIZE,
-        num_blocks=512,
-        num_slots=16,
-        threads=1,
-    )
-    try:
-        yield running
-    finally:
-        running.stop()
-        # The supervisor is gone; its worker leader and the leader's ranks must be too.
-        _kill_group(running)
-
-
-def _children(pid: int) -> list[int]:
-    """The processes ``pid`` started (its local ranks), from /proc."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return found
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie waiting to be reaped."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 def _kill_group(server: Server) -> None:
+    """The supervisor is gone; its worker leader and the leader's ranks must be too."""
     try:
         leader = int(server.pid_file("worker").read_text())
     except (OSError, ValueError):
         return
-    for pid in [*_children(leader), leader]:
-        if _alive(pid):
+    for pid in [*children(leader), leader]:
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+ranks = server_fixture(
+    after_stop=_kill_group,
+    supervised=("worker",),
+    audit=1,
+    dtype="float32",
+    tensor_parallel_size=SIZE,
+    num_blocks=512,
+    num_slots=16,
+    threads=1,
+)
 
 
 async def _chat(session: aiohttp.ClientSession, server: Server, question: str) -> str:
@@ -117,13 +90,9 @@ async def test_a_sigkilled_rank_is_the_workers_death(ranks):
         )
         assert all(s.done and not s.errors and s.text for s in calm)
         leader = server.child_pid("worker")
-        group = [leader, *_children(leader)]
+        group = [leader, *children(leader)]
         assert len(group) == SIZE, group
-        streams = [Stream() for _ in STORIES]
-        tasks = [
-            asyncio.create_task(stream_completion(session, server, {**LONG, "prompt": p}, s))
-            for p, s in zip(STORIES, streams, strict=True)
-        ]
+        streams, tasks = start_streams(session, server, [{**LONG, "prompt": p} for p in STORIES])
         await wait_until(lambda: all(len(s.times) >= 2 for s in streams), what="first tokens")
         mark = server.log_size("scheduler")
         killed = time.monotonic()
@@ -131,7 +100,7 @@ async def test_a_sigkilled_rank_is_the_workers_death(ranks):
         assert not any(s.done for s in streams), "the kill came after the streams ended"
         await asyncio.to_thread(server.wait_log, "scheduler", r"worker lost", mark, 5.0)
         record("tp_rank_kill_to_detected", time.monotonic() - killed)
-        await wait_until(lambda: not any(map(_alive, group)), 10.0, "the old ranks gone")
+        await wait_until(lambda: not any(map(alive, group)), 10.0, "the old ranks gone")
         record("tp_rank_kill_to_old_group_gone", time.monotonic() - killed)
         await asyncio.to_thread(server.wait_log, "scheduler", r"worker ready", mark, 180.0)
         record("tp_rank_kill_to_group_ready", time.monotonic() - killed)
@@ -140,7 +109,7 @@ async def test_a_sigkilled_rank_is_the_workers_death(ranks):
         assert after.done and not after.errors, after.errors
         assert after.text == before.text
     new_leader = server.child_pid("worker", other_than=leader)
-    assert new_leader != leader and len(_children(new_leader)) == SIZE - 1
+    assert new_leader != leader and len(children(new_leader)) == SIZE - 1
     await asyncio.to_thread(server.wait_healthy, 30.0)
     metrics = await assert_pool_empty(server)
     assert metrics["nanoserve:scheduler_workers_lost_total"] >= 1

@@ -19,10 +19,11 @@ from tests.faults.conftest import (
     Stream,
     assert_pool_empty,
     record,
+    start_streams,
     stream_completion,
     wait_until,
 )
-from tests.servers import start_server
+from tests.servers import server_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -37,11 +38,7 @@ async def test_sigkilled_worker_is_recomputed_and_streams_match(server):
         )
         assert all(s.done and not s.errors and s.text for s in undisturbed)
 
-        streams = [Stream() for _ in PROMPTS]
-        tasks = [
-            asyncio.create_task(stream_completion(session, server, {**BODY, "prompt": p}, s))
-            for p, s in zip(PROMPTS, streams, strict=True)
-        ]
+        streams, tasks = start_streams(session, server, [{**BODY, "prompt": p} for p in PROMPTS])
         await wait_until(lambda: all(len(s.times) >= 2 for s in streams), what="first tokens")
         pid = server.child_pid("worker")
         mark = server.log_size("scheduler")
@@ -72,22 +69,14 @@ LONELY_TOKENS = 160
 # to be ready on a loaded 2-core machine, and more than 30 s in a CI run while the other test
 # process loaded the real model: the restarts below must always fit.
 LONELY_WORKER_TIMEOUT = 60
+# How long the hasty server's requests wait: no worker comes back there, so the wait is most
+# of its one test's time.
+HASTY_WORKER_TIMEOUT = 5
 
-
-@pytest.fixture(scope="module")
-def lonely(tmp_path_factory: pytest.TempPathFactory):
-    """A server whose worker is not supervised, and whose requests wait
-    ``LONELY_WORKER_TIMEOUT`` for a worker."""
-    running = start_server(
-        tmp_path_factory.mktemp("lonely"),
-        audit=1,
-        worker_timeout=LONELY_WORKER_TIMEOUT,
-        threads=1,
-    )
-    try:
-        yield running
-    finally:
-        running.stop()
+# Servers whose worker is not supervised, and whose requests wait that long for a worker. The
+# hasty one serves one test: it stops when that test ends.
+lonely = server_fixture(audit=1, worker_timeout=LONELY_WORKER_TIMEOUT, threads=1)
+hasty = server_fixture(scope="function", audit=1, worker_timeout=HASTY_WORKER_TIMEOUT, threads=1)
 
 
 async def _kill_worker_mid_stream(server, prompt=PROMPTS[0]) -> tuple[asyncio.Task, Stream, float]:
@@ -131,24 +120,36 @@ async def test_another_geometry_fails_what_is_in_flight(lonely):
     await assert_pool_empty(lonely)
 
 
-async def test_no_worker_within_the_timeout_fails_clearly(lonely):
-    task, stream, killed = await _kill_worker_mid_stream(lonely)
-    await asyncio.wait_for(task, LONELY_WORKER_TIMEOUT + 30.0)
-    record(f"worker_timeout_{LONELY_WORKER_TIMEOUT}s_to_stream_error", time.monotonic() - killed)
-    gave_up = f"no worker came back within {LONELY_WORKER_TIMEOUT} s"
+async def test_no_worker_within_the_timeout_fails_clearly(hasty):
+    task, stream, killed = await _kill_worker_mid_stream(hasty)
+    await asyncio.wait_for(task, HASTY_WORKER_TIMEOUT + 30.0)
+    record(f"worker_timeout_{HASTY_WORKER_TIMEOUT}s_to_stream_error", time.monotonic() - killed)
+    gave_up = f"no worker came back within {HASTY_WORKER_TIMEOUT} s"
     assert stream.done and len(stream.errors) == 1
     assert gave_up in stream.errors[0]["error"]["message"]
-    status, body = await asyncio.to_thread(lonely.get, "/health")
+    status, body = await asyncio.to_thread(hasty.get, "/health")
     assert status == 503 and gave_up in body
     async with aiohttp.ClientSession() as session:
         async with session.post(
-            lonely.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}
+            hasty.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}
         ) as response:
             assert response.status == 503
             assert response.headers["Retry-After"] == "1"
-    lonely.start("worker")
-    await asyncio.to_thread(lonely.wait_healthy, 120.0)
-    await assert_pool_empty(lonely)
+    hasty.start("worker")
+    await asyncio.to_thread(hasty.wait_healthy, 120.0)
+    await assert_pool_empty(hasty)
+
+
+async def _stopped_until_silent(server, pid: int, mark: int, within: float, name: str) -> None:
+    """SIGSTOP the worker ``pid`` until the scheduler logs it silent (bounded by ``within``,
+    recorded as ``name``), then SIGCONT it."""
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        await asyncio.to_thread(server.wait_log, "scheduler", r"worker lost \(silent", mark, within)
+        record(name, time.monotonic() - stopped)
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 async def test_a_silent_worker_is_dropped_then_readmitted_when_it_speaks(server):
@@ -156,13 +157,7 @@ async def test_a_silent_worker_is_dropped_then_readmitted_when_it_speaks(server)
     only its silence tells. When it resumes, the scheduler greets it and it re-announces."""
     pid = server.child_pid("worker")
     mark = server.log_size("scheduler")
-    os.kill(pid, signal.SIGSTOP)
-    stopped = time.monotonic()
-    try:
-        await asyncio.to_thread(server.wait_log, "scheduler", r"worker lost \(silent", mark, 5.0)
-        record("idle_worker_sigstop_to_detected", time.monotonic() - stopped)
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    await _stopped_until_silent(server, pid, mark, 5.0, "idle_worker_sigstop_to_detected")
     await asyncio.to_thread(server.wait_log, "scheduler", r"worker ready", mark, 10.0)
     assert server.child_pid("worker") == pid  # the same process, greeted again
     await asyncio.to_thread(server.wait_healthy, 10.0)
@@ -180,13 +175,7 @@ async def test_a_worker_hung_mid_step_is_dropped_and_its_requests_recomputed(ser
         await wait_until(lambda: len(stream.times) >= 2, what="first tokens")
         pid = server.child_pid("worker")
         mark = server.log_size("scheduler")
-        os.kill(pid, signal.SIGSTOP)
-        stopped = time.monotonic()
-        try:
-            await asyncio.to_thread(server.wait_log, "scheduler", r"worker lost \(silent", mark, 6)
-            record("busy_worker_sigstop_to_detected", time.monotonic() - stopped)
-        finally:
-            os.kill(pid, signal.SIGCONT)
+        await _stopped_until_silent(server, pid, mark, 6.0, "busy_worker_sigstop_to_detected")
         await asyncio.wait_for(task, 60.0)
     assert stream.done and not stream.errors and stream.text == undisturbed.text
     assert server.child_pid("worker") == pid

@@ -43,6 +43,7 @@ class Server:
     client: SchedulerClient
     http: aiohttp.ClientSession
     tokenizer: ChatTokenizer
+    app: web.Application
 
     async def post(self, path: str, body: Any) -> aiohttp.ClientResponse:
         """POST JSON (or raw bytes) and return the response, body read."""
@@ -53,12 +54,14 @@ class Server:
         return response
 
 
-def _addresses() -> Addresses:
+def _addresses(monitor: bool = False) -> Addresses:
+    """Private ipc sockets of a fresh run; with a monitor feed's when ``monitor``."""
     run = uuid.uuid4().hex[:12]
     directory = runtime_dir()
     return Addresses(
         frontend=f"ipc://{directory}/test-{run}-frontend.sock",
         worker=f"ipc://{directory}/test-{run}-worker.sock",
+        monitor=f"ipc://{directory}/test-{run}-monitor.sock" if monitor else None,
     )
 
 
@@ -72,11 +75,16 @@ def reply_tokens(tokenizer: ChatTokenizer):
     return reply
 
 
-async def start_server(
-    tokenizer: ChatTokenizer, fake_options: dict[str, Any], wait: bool = True, **config: Any
+async def fake_backed_frontend(
+    tokenizer: ChatTokenizer,
+    fake_options: dict[str, Any],
+    wait: bool = True,
+    addresses: Addresses | None = None,
+    **config: Any,
 ) -> AsyncIterator[Server]:
-    """Start fake + app; yield a Server; tear everything down."""
-    addresses = _addresses()
+    """Start fake + app (on ``addresses``, else a fresh run's); yield a Server; tear everything
+    down."""
+    addresses = addresses or _addresses()
     fake = FakeScheduler(addresses.frontend, reply_tokens(tokenizer), **fake_options)
     fake.start()
     config.setdefault("api_key", None)
@@ -89,7 +97,7 @@ async def start_server(
     await site.start()
     port = runner.addresses[0][1]
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
-    running = Server(f"http://127.0.0.1:{port}", fake, client, http, tokenizer)
+    running = Server(f"http://127.0.0.1:{port}", fake, client, http, tokenizer, app)
     try:
         if wait:
             await client.wait_ready(timeout=10)
@@ -100,8 +108,9 @@ async def start_server(
         await running.fake.close()  # a test may have replaced the fake (restart tests)
         if running.fake is not fake:
             await fake.close()
-        for address in (addresses.frontend, addresses.worker):
-            Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
+        for address in (addresses.frontend, addresses.worker, addresses.monitor):
+            if address is not None:
+                Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -112,7 +121,7 @@ async def server(tokenizer: ChatTokenizer, request: pytest.FixtureRequest) -> As
     fake_options = fake_marker.kwargs if fake_marker else {}
     config = config_marker.kwargs if config_marker else {}
     wait = fake_options.get("worker_ready", True)
-    async for running in start_server(tokenizer, fake_options, wait=wait, **config):
+    async for running in fake_backed_frontend(tokenizer, fake_options, wait, **config):
         yield running
 
 

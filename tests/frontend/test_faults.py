@@ -6,11 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import aiohttp
@@ -19,8 +15,15 @@ import pytest
 from frontend.client import Link
 from frontend.config import FrontendConfig
 from protocol.messages import PROTOCOL_VERSION
-from tests.frontend.conftest import REPLY, Server, _addresses, reply_tokens, start_server
+from tests.frontend.conftest import (
+    REPLY,
+    Server,
+    _addresses,
+    fake_backed_frontend,
+    reply_tokens,
+)
 from tests.frontend.fake_scheduler import FakeScheduler
+from tests.servers import new_server
 
 
 @pytest.mark.fake(token_delay=0.05)
@@ -51,7 +54,7 @@ async def test_a_scheduler_on_another_protocol_version_is_refused(tokenizer, cap
     """Its SchedulerInfo is refused with one error line; /health and each 503 say why."""
     other = PROTOCOL_VERSION - 1
     with caplog.at_level(logging.ERROR, logger="frontend.client"):
-        async for server in start_server(tokenizer, {"protocol_version": other}, wait=False):
+        async for server in fake_backed_frontend(tokenizer, {"protocol_version": other}, False):
             deadline = time.monotonic() + 10
             while server.client.link is not Link.REFUSED and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)  # the hello and its answer cross real sockets
@@ -70,51 +73,19 @@ async def test_a_scheduler_on_another_protocol_version_is_refused(tokenizer, cap
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-async def _wait_health(url: str, deadline: float) -> None:
-    async with aiohttp.ClientSession() as http:
-        while time.monotonic() < deadline:
-            try:
-                async with http.get(url + "/health") as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientConnectionError:
-                pass
-            await asyncio.sleep(0.1)  # polling a separate process: there is no event to await
-    raise TimeoutError("frontend did not become healthy")
-
-
-async def test_frontend_process_drains_and_exits_0_on_sigterm(tokenizer) -> None:
+async def test_frontend_process_drains_and_exits_0_on_sigterm(tokenizer, tmp_path) -> None:
     addresses = _addresses()
     FrontendConfig(addresses=addresses)  # the same addresses validate
     fake = FakeScheduler(addresses.frontend, reply_tokens(tokenizer), token_delay=0.05)
     fake.start()
-    port = _free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "nanoserve.cli",
-        "frontend",
-        "--port",
-        str(port),
-        "--frontend-address",
-        addresses.frontend,
-        "--drain-timeout",
-        "10",
-    ]
-    env = {**os.environ, "NANOSERVE_API_KEY": ""}
-    process = subprocess.Popen(command, env=env)
-    url = f"http://127.0.0.1:{port}"
+    server = new_server(tmp_path, api_key="")
+    options = ["--frontend-address", addresses.frontend, "--drain-timeout", "10"]
+    process = server.start("frontend", *options)
     try:
-        await _wait_health(url, time.monotonic() + 60)
+        await asyncio.to_thread(server.wait_healthy, 60.0)
         async with aiohttp.ClientSession() as http:
             body = {"prompt": "Hi", "max_tokens": 10, "stream": True}
-            async with http.post(url + "/v1/completions", json=body) as response:
+            async with http.post(server.url + "/v1/completions", json=body) as response:
                 await response.content.readuntil(b"\n\n")
                 process.send_signal(signal.SIGTERM)
                 rest = (await response.content.read()).decode()
@@ -122,7 +93,5 @@ async def test_frontend_process_drains_and_exits_0_on_sigterm(tokenizer) -> None
         assert "error" not in rest  # the in-flight stream finished normally
         assert await asyncio.to_thread(process.wait, 20) == 0
     finally:
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGKILL)
-            process.wait(5)
+        server.stop()
         await fake.close()

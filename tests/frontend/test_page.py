@@ -9,10 +9,8 @@ import asyncio
 import json
 import re
 import socket
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 import msgspec
@@ -22,13 +20,10 @@ import zmq.asyncio
 from aiohttp import web
 
 from frontend import page as page_module
-from frontend.app import create_app
-from frontend.config import FrontendConfig
 from frontend.page import FEED
 from frontend.page_feed import Watcher
-from protocol.addresses import Addresses, runtime_dir
 from protocol.monitor import FREE, HELD, PoolSnapshot, PoolStates, RequestRow
-from tests.frontend.conftest import reply_tokens
+from tests.frontend.conftest import _addresses, fake_backed_frontend
 from tests.frontend.fake_scheduler import FakeScheduler
 
 
@@ -47,35 +42,17 @@ class PageServer:
 @pytest.fixture
 async def server(tokenizer, request: pytest.FixtureRequest) -> AsyncIterator[PageServer]:
     marker = request.node.get_closest_marker("frontend")
-    run, directory = uuid.uuid4().hex[:12], runtime_dir()
-    addresses = Addresses(
-        frontend=f"ipc://{directory}/page-{run}-frontend.sock",
-        worker=f"ipc://{directory}/page-{run}-worker.sock",
-        monitor=f"ipc://{directory}/page-{run}-monitor.sock",
-    )
+    addresses = _addresses(monitor=True)
     context = zmq.asyncio.Context()
     xpub = context.socket(zmq.XPUB)
     xpub.setsockopt(zmq.LINGER, 0)
     xpub.bind(addresses.monitor)
-    fake = FakeScheduler(addresses.frontend, reply_tokens(tokenizer))
-    fake.start()
-    options = {"api_key": None, **(marker.kwargs if marker else {})}
-    app = create_app(FrontendConfig(port=0, addresses=addresses, **options), tokenizer=tokenizer)
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
+    options = marker.kwargs if marker else {}
     try:
-        yield PageServer(url, app, xpub, http, fake)
+        async for running in fake_backed_frontend(tokenizer, {}, False, addresses, **options):
+            yield PageServer(running.url, running.app, xpub, running.http, running.fake)
     finally:
-        await http.close()
-        await runner.cleanup()
-        await fake.close()
         context.destroy(linger=0)
-        for address in (addresses.frontend, addresses.worker, addresses.monitor):
-            Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 def snapshot(seq: int, padding: int = 0) -> bytes:

@@ -5,7 +5,6 @@ preemptions. A raw DEALER stands in for the frontend (the tiny model has no toke
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from pathlib import Path
@@ -25,7 +24,7 @@ from protocol.messages import (
     SchedulerToFrontend,
 )
 from tests.faults.raw import ENCODE, dealer, received
-from tests.servers import Server
+from tests.servers import Server, start_server
 
 BLOCK = 4
 BUDGET = 8  # tokens per step: every prompt below is prefilled in chunks
@@ -37,18 +36,21 @@ MAX_TOKENS = 20
 
 def _serve(tiny_dir: Path, log_dir: Path, size: int) -> Server:
     """A scheduler and a worker of ``size`` ranks, on a pool too small for PRESSURE at once."""
-    run_id = f"tp{size}-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NANOSERVE_RUN_ID": run_id}
-    env |= {"NANOSERVE_AUDIT": "1", "NANOSERVE_TOKEN_BUDGET": str(BUDGET)}
-    env |= {"NANOSERVE_MODEL": str(tiny_dir), "NANOSERVE_DTYPE": "float32"}
-    env |= {"NANOSERVE_BLOCK_SIZE": str(BLOCK), "NANOSERVE_NUM_BLOCKS": "24"}
-    env |= {"NANOSERVE_NUM_SLOTS": "4", "NANOSERVE_MAX_MODEL_LEN": "64", "NANOSERVE_THREADS": "1"}
-    env |= {"NANOSERVE_TENSOR_PARALLEL_SIZE": str(size)}
-    log_dir.mkdir(parents=True, exist_ok=True)
-    server = Server(port=0, run_id=run_id, log_dir=log_dir, env=env)
-    server.start("scheduler")
-    server.start("worker")
-    return server
+    return start_server(
+        log_dir,
+        roles=("scheduler", "worker"),
+        run_id=f"tp{size}-{uuid.uuid4().hex[:8]}",
+        audit=1,
+        token_budget=BUDGET,
+        model=tiny_dir,
+        dtype="float32",
+        block_size=BLOCK,
+        num_blocks=24,
+        num_slots=4,
+        max_model_len=64,
+        threads=1,
+        tensor_parallel_size=size,
+    )
 
 
 class RawFrontend:

@@ -17,7 +17,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.servers import start_server
+from tests.servers import server_fixture
 from tests.web.browser import chromium_path, screenshot
 
 pytestmark = pytest.mark.slow
@@ -26,22 +26,10 @@ KEY = "page-test-key"
 PROMPTS = [f"Tell a long story about a lighthouse keeper named Keeper {i}." for i in range(8)]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    """A small pool (64 blocks, 4 slots), audited, behind an API key; the worker supervised."""
-    running = start_server(
-        tmp_path_factory.mktemp("page"),
-        supervised=("worker",),
-        audit=1,
-        num_blocks=64,
-        num_slots=4,
-        threads=1,
-        api_key=KEY,
-    )
-    try:
-        yield running
-    finally:
-        running.stop()
+# A small pool (64 blocks, 4 slots), audited, behind an API key; the worker supervised.
+server = server_fixture(
+    supervised=("worker",), audit=1, num_blocks=64, num_slots=4, threads=1, api_key=KEY
+)
 
 
 async def _complete(session: aiohttp.ClientSession, url: str, prompt: str) -> None:

@@ -19,7 +19,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.servers import start_server
+from tests.servers import server_fixture
 from tests.web.browser import chromium_path, screenshot
 
 pytestmark = pytest.mark.slow
@@ -28,16 +28,8 @@ STREAMS = 16
 WATCH_S = 8.0  # how long the badges are read while all 16 run
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    """16 slots, so 16 streams run at once; one worker thread, audited."""
-    running = start_server(
-        tmp_path_factory.mktemp("truth"), num_blocks=512, num_slots=STREAMS, threads=1, audit=1
-    )
-    try:
-        yield running
-    finally:
-        running.stop()
+# 16 slots, so 16 streams run at once; one worker thread, audited.
+server = server_fixture(num_blocks=512, num_slots=STREAMS, threads=1, audit=1)
 
 
 async def _open(p, server, errors: list[str]):

@@ -15,7 +15,7 @@ import re
 import aiohttp
 import pytest
 
-from tests.servers import start_server
+from tests.servers import server_fixture
 from tests.web.browser import chromium_path, screenshot
 
 pytestmark = pytest.mark.slow
@@ -68,24 +68,12 @@ WORST_CASE = """async (n) => {
 }"""
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    """5,825 blocks, 32 slots, audited, in the dtype ``auto`` picks: bfloat16 (float32's ledger
-    in half the memory) where the CPU computes it natively, else float32. On a CPU without
-    AVX-512, bfloat16 runs torch's slow generic matmuls: this test took 137 s there against 51 s
-    in float32."""
-    running = start_server(
-        tmp_path_factory.mktemp("large"),
-        num_blocks=NUM_BLOCKS,
-        num_slots=CONCURRENCY,
-        dtype="auto",
-        threads=1,
-        audit=1,
-    )
-    try:
-        yield running
-    finally:
-        running.stop()
+# 5,825 blocks, 32 slots, audited, in the dtype ``auto`` picks: bfloat16 (float32's ledger in
+# half the memory) where the CPU computes it natively, else float32. On a CPU without AVX-512,
+# bfloat16 runs torch's slow generic matmuls: this test took 137 s there against 51 s in float32.
+server = server_fixture(
+    num_blocks=NUM_BLOCKS, num_slots=CONCURRENCY, dtype="auto", threads=1, audit=1
+)
 
 
 def _prompts(seed: int = 0) -> tuple[str, list[str]]:

@@ -1,14 +1,17 @@
-"""Fixtures for worker tests: a private cache dir, the tiny model, HF references."""
+"""Fixtures for worker tests: a private cache dir, the tiny model, HF references, and the
+``kernels(kind)`` mark (``tests.worker.kernel_checks``)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/tiny_model.py
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # driver.py
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "kernels(kind): needs nanoserve's CPU kernels of that kind (kernel_checks)"
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -29,6 +32,17 @@ def private_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(autouse=True)
+def marked_kernels(request: pytest.FixtureRequest, private_cache) -> None:
+    """A test marked ``kernels(kind)`` runs where those kernels do: it skips elsewhere, or fails
+    under NANOSERVE_REQUIRE_KERNELS=1 (``require_kernels``). After ``private_cache``: the first
+    look builds the kernels, and builds them there."""
+    from tests.worker.kernel_checks import require_kernels
+
+    for mark in request.node.iter_markers("kernels"):
+        require_kernels(*mark.args)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_thread():
     """One torch thread: on a shared CI box, OpenMP threads spinning against other jobs made
@@ -44,7 +58,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_factory(tmp_path_factory):
     """make(name, **overrides) -> directory of a seeded tiny Llama (cached per name)."""
-    from tiny_model import make_tiny_llama
+    from tests.tiny_model import make_tiny_llama
 
     made: dict[str, Path] = {}
 

@@ -9,11 +9,10 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from conftest import hf_logits, make_worker
-from driver import Driver, greedy_requests
-from test_tiny_exact import LOGIT_TOL, PROMPTS, check, reference
 
-from worker.cpu import kernels
+from tests.worker.conftest import hf_logits, make_worker
+from tests.worker.driver import Driver, greedy_requests
+from tests.worker.test_tiny_exact import LOGIT_TOL, PROMPTS, check, reference
 
 # The module's one compile runs in a child at nice 19, as the worker runs it. Beside the suite's
 # other test process it got only the CPU that process left: 200 s where alone it took 60.
@@ -103,7 +102,7 @@ def test_compiled_matches_transformers(compiled_worker, tiny_reference, scenario
     assert compiled_worker.compiled.steps - before >= 15
 
 
-@pytest.mark.skipif(not kernels.loaded(), reason="needs the kernels built here (AVX2)")
+@pytest.mark.kernels("avx2")
 def test_compiled_float32_decodes_read_the_pool_in_nanoserves_operator(compiled_worker):
     """The graphs trace ``decode_attention_f32`` (its fake gives the shape) and call it, once a
     layer (the profiler sees the dispatcher's calls, from a graph too)."""

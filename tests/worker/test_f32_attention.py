@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import BLOCK, HEADS, case, reference
-from conftest import make_worker
 
+from tests.worker.attention_cases import BLOCK, HEADS, case, reference
+from tests.worker.conftest import make_worker
+from tests.worker.kernel_checks import require_kernels
 from worker.attention import CpuF32Backend, TorchBackend
 from worker.cpu import kernels
 
@@ -23,8 +24,7 @@ from worker.cpu import kernels
 @pytest.fixture(autouse=True)
 def built(private_cache):
     """Build (or load) the kernels in the tests' private cache, or skip where they cannot be."""
-    if not kernels.loaded():
-        pytest.skip("needs AVX2, FMA and a C++ compiler (worker.cpu.kernels)")
+    require_kernels("avx2")
 
 
 def attend(q, kv, layer, blocks, cached, block_size=BLOCK):
@@ -172,7 +172,7 @@ def _count_calls(monkeypatch) -> tuple[list, list]:
 
 def _run_mixed(worker):
     """Chunked prefills beside decodes: "a" prefills in chunks of 5 while "b" and "c" decode."""
-    from driver import Driver, Request
+    from tests.worker.driver import Driver, Request
 
     prompts = {"a": list(range(3, 40)), "b": [5, 6, 7], "c": [9, 8, 7, 6]}
     requests = [Request(name, prompt, 6) for name, prompt in prompts.items()]

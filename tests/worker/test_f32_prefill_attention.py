@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import HEADS
 
-from worker.cpu import kernels
+from tests.worker.attention_cases import HEADS
+from tests.worker.kernel_checks import require_kernels
 
 
 @pytest.fixture(autouse=True)
 def built(private_cache):
     """Build (or load) the kernels in the tests' private cache, or skip where they cannot be."""
-    if not kernels.loaded():
-        pytest.skip("needs AVX2, FMA and a C++ compiler (worker.cpu.kernels)")
+    require_kernels("avx2")
 
 
 def attend(q, k, v, start):

@@ -11,13 +11,13 @@ import shutil
 
 import llguidance
 import pytest
-from conftest import make_worker
-from driver import Driver, Request
-from tiny_model import write_byte_tokenizer
 
 from protocol.messages import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
+from tests.tiny_model import write_byte_tokenizer
+from tests.worker.conftest import make_worker
+from tests.worker.driver import Driver, Request
 
 EOS = 2
 EMAIL = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"

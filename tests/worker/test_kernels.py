@@ -17,10 +17,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_cases import BLOCK, HEADS, case, reference
-from conftest import make_worker
-from q4_cases import dequantized64, q4_case, w4a8_reference
 
+from tests.worker.attention_cases import BLOCK, HEADS, case, reference
+from tests.worker.conftest import make_worker
+from tests.worker.kernel_checks import require_kernels
+from tests.worker.q4_cases import dequantized64, q4_case, w4a8_reference
 from worker.cpu import kernels
 from worker.linear.packing import float16_exact, pack_q4, pack_w4a8
 from worker.model.gguf import Q4Tensor
@@ -30,8 +31,7 @@ from worker.model.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 @pytest.fixture(autouse=True)
 def built(private_cache):
     """Build (or load) the kernel in the tests' private cache, or skip where it cannot be."""
-    if not kernels.available():
-        pytest.skip("needs AVX-512 and a C++ compiler (worker.cpu.kernels)")
+    require_kernels("avx512")
 
 
 @pytest.mark.parametrize(**HEADS)
@@ -140,9 +140,7 @@ def _prefill_reference(q, layer, blocks, start):
     return out
 
 
-@pytest.mark.skipif(
-    not kernels.uses_bf16(), reason="the prefill operator needs AVX512-BF16 (else: SDPA)"
-)
+@pytest.mark.kernels("bf16")  # else prefills take SDPA
 @pytest.mark.parametrize(
     "n_kv, nq, hd",
     [(3, 9, 64), (2, 14, 128), (1, 8, 32), (4, 4, 64), (2, 16, 64)],
@@ -164,7 +162,7 @@ def test_prefill_attention_equals_float64_causal_attention(n_kv, nq, hd, start, 
     assert (error <= want.abs() * 2**-8 + 1e-4).all(), error.max().item()
 
 
-@pytest.mark.skipif(not kernels.uses_bf16(), reason="the prefill operator needs AVX512-BF16")
+@pytest.mark.kernels("bf16")
 def test_prefill_attention_reads_only_the_positions_each_query_may_see():
     q, layer, blocks = _prefill_case(3, 9, 64, 20, 10, seed=7)
     before = torch.ops.nanoserve.prefill_attention(q, layer, blocks, 20, BLOCK)
@@ -183,7 +181,7 @@ def test_prefill_attention_reads_only_the_positions_each_query_may_see():
     assert all(not torch.equal(after[i], before[i]) for i in range(5, 10))
 
 
-@pytest.mark.skipif(not kernels.uses_bf16(), reason="the prefill operator needs AVX512-BF16")
+@pytest.mark.kernels("bf16")
 def test_prefill_attention_refuses_what_it_cannot_compute():
     q, layer, blocks = _prefill_case(3, 9, 64, 10, 20, seed=3)
     attend = torch.ops.nanoserve.prefill_attention
@@ -207,7 +205,7 @@ def test_prefill_attention_refuses_what_it_cannot_compute():
         attend(q, layer[:, :2], blocks, 10, BLOCK)
 
 
-needs_bf16 = pytest.mark.skipif(not kernels.uses_bf16(), reason="q4_linear needs AVX512-BF16")
+needs_bf16 = pytest.mark.kernels("bf16")  # q4_linear
 
 
 @needs_bf16
@@ -266,7 +264,7 @@ def test_q4_linear_refuses_what_it_cannot_compute():
         linear(x, packed[0][..., :128], packed[1], packed[2])
 
 
-needs_vnni = pytest.mark.skipif(not kernels.uses_vnni(), reason="w4a8_linear needs AVX512-VNNI")
+needs_vnni = pytest.mark.kernels("vnni")  # w4a8_linear
 
 
 @needs_vnni
@@ -429,7 +427,7 @@ def test_eager_bfloat16_steps_norm_rotate_and_activate_with_them(tiny_dir, monke
     stay within bfloat16's reach."""
     import dataclasses
 
-    from driver import Driver, Request
+    from tests.worker.driver import Driver, Request
 
     calls = _count_layer_kernels(monkeypatch)
     planned = make_worker(tiny_dir, dtype="bfloat16", compile=False).plan
@@ -458,7 +456,7 @@ def test_eager_steps_keep_the_kernels_while_another_thread_compiles(tiny_dir, mo
     """torch sets ``torch.compiler.is_compiling()`` for a whole compile session, process-wide:
     while the background thread loads the compiled graphs, the stepping thread's eager steps
     keep the plan's operators (they never ask the flag: the compiled graph traces its own)."""
-    from driver import Driver, Request
+    from tests.worker.driver import Driver, Request
 
     calls = _count_layer_kernels(monkeypatch)
     worker = make_worker(tiny_dir, dtype="bfloat16", compile=False)
@@ -515,7 +513,7 @@ def test_argmax_refuses_what_it_cannot_compute():
         torch.ops.nanoserve.argmax(torch.zeros(2, 0))
 
 
-@pytest.mark.skipif(not kernels.uses_bf16(), reason="the float32 scoring is the default here")
+@pytest.mark.kernels("bf16")  # else the float32 scoring is the default
 def test_the_float32_scoring_too():
     """Where the CPU has AVX512-BF16 the scores take vdpbf16ps, and the float32 path is compiled
     out: build it (NANOSERVE_KERNELS_BF16=0, its own directory) and run the numeric tests on
@@ -553,7 +551,7 @@ def test_bfloat16_steps_attend_with_it_and_float32_steps_do_not(tiny_dir, monkey
             return real(*args)
 
     monkeypatch.setattr(torch.ops.nanoserve, "decode_attention", Counting())
-    from driver import Driver, Request
+    from tests.worker.driver import Driver, Request
 
     argmax_calls = []
     real_argmax = torch.ops.nanoserve.argmax
@@ -581,7 +579,7 @@ def test_mixed_eager_steps_match_the_torch_attention(tiny_dir):
     for its attention: nothing else differs between the two runs."""
     import dataclasses
 
-    from driver import Driver, Request
+    from tests.worker.driver import Driver, Request
 
     planned = make_worker(tiny_dir, dtype="bfloat16").plan
     assert planned.attention == "cpu-bf16"
@@ -601,7 +599,7 @@ def test_mixed_eager_steps_match_the_torch_attention(tiny_dir):
         assert worst < 0.05, worst
 
 
-@pytest.mark.skipif(not kernels.available(), reason="needs the kernels built here")
+@pytest.mark.kernels("avx512")
 def test_a_stale_build_lock_does_not_block_the_next_load(tmp_path):
     """A build killed mid-way leaves cpp_extension's ``lock`` file; the next process removes it
     (under an flock no dead process can hold) instead of waiting on it forever."""
@@ -625,7 +623,7 @@ def test_a_stale_build_lock_does_not_block_the_next_load(tmp_path):
     assert not (build / "lock").exists()
 
 
-@pytest.mark.skipif(not kernels.available(), reason="needs the kernels built here")
+@pytest.mark.kernels("avx512")
 def test_another_torch_build_builds_in_a_directory_of_its_own(monkeypatch):
     """Another torch version or commit has other headers: its kernels are built apart."""
     built = kernels._load()
@@ -636,7 +634,7 @@ def test_another_torch_build_builds_in_a_directory_of_its_own(monkeypatch):
     assert other.name.startswith(f"torch-{torch.__version__}")
 
 
-@pytest.mark.skipif(not kernels.available(), reason="needs the kernels built here")
+@pytest.mark.kernels("avx512")
 def test_another_venv_with_the_same_torch_loads_the_build_without_ninja(tmp_path):
     """A fresh clone's virtual environment installs the same torch elsewhere. Its build
     commands name that directory, so ninja would rebuild a build made from another venv (48 s
@@ -673,7 +671,7 @@ def test_another_venv_with_the_same_torch_loads_the_build_without_ninja(tmp_path
     assert "/elsewhere/" in ninja.read_text(), "ninja ran"
 
 
-@pytest.mark.skipif(not kernels.available(), reason="needs the kernels built here")
+@pytest.mark.kernels("avx512")
 def test_another_checkout_loads_the_same_build_without_compiling(tmp_path):
     """Ninja rebuilds when a source's path changes, not only its bytes: the build must not
     depend on where the checkout is, or two checkouts taking turns compile again (half a

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import make_worker
 
 from models.files import ModelFiles
+from tests.worker.conftest import make_worker
 from worker.config import WorkerConfig
 from worker.model.loader import load_checkpoint
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_worker
-from driver import Driver, Request
 
+from tests.worker.conftest import make_worker
+from tests.worker.driver import Driver, Request
 from worker import plan as plan_module
 from worker.config import WorkerConfig
 from worker.cpu import kernels
@@ -38,7 +38,7 @@ def test_the_worker_announces_and_runs_its_plan(tiny_dir):
     assert Plan.from_json(worker.plan.to_json()) == worker.plan
 
 
-@pytest.mark.skipif(not kernels.available(), reason="needs the AVX-512 kernels built here")
+@pytest.mark.kernels("avx512")
 def test_changing_the_plan_changes_what_runs_and_nothing_else_does(tiny_dir):
     """One bfloat16 plan, then the same plan with one choice changed at a time: each change
     shows in the operators a step calls, and only there."""

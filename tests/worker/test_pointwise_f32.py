@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_worker
 
+from tests.worker.conftest import make_worker
+from tests.worker.kernel_checks import require_kernels
 from worker import plan
-from worker.cpu import kernels
 
 
 @pytest.fixture(autouse=True)
 def built(private_cache):
     """Build (or load) the kernels in the tests' private cache, or skip where they cannot be."""
-    if not kernels.loaded():
-        pytest.skip("needs AVX2, FMA and a C++ compiler (worker.cpu.kernels)")
+    require_kernels("avx2")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rel: float = 2e-6) -> bool:
@@ -112,7 +111,7 @@ def _counting(monkeypatch, name: str) -> list:
 
 
 def _prefill(worker) -> None:
-    from driver import Driver, Request
+    from tests.worker.driver import Driver, Request
 
     Driver(worker, eos=[]).run([Request("a", list(range(3, 30)), 3)])
 

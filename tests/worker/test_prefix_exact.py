@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, hf_model, make_worker
 
 from protocol.messages import SamplingParams, StepInput, StepItem
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
+from tests.worker.conftest import hf_greedy, hf_model, make_worker
 
 STEM = [1] + list(range(40, 60))  # 21 tokens: 5 full blocks of 4
 PROMPTS = [STEM + [7, 8, 9], STEM + [200, 201], STEM[:9] + [77], STEM, STEM + [7, 8, 9]]

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_worker
-from q4_cases import w4a8_reference
 
+from tests.worker.conftest import make_worker
+from tests.worker.kernel_checks import kernels_missing, require_kernels
+from tests.worker.q4_cases import w4a8_reference
 from worker.cpu import kernels
 from worker.linear.base import Linear
 from worker.linear.build import apply_plan, q4_facts, use_plan
@@ -121,7 +122,7 @@ def q4_kernel(request, monkeypatch, private_cache) -> bool:
     if request.param == "torch":
         monkeypatch.setattr(kernels, "uses_bf16", lambda: False)
         return False
-    return kernels.available() and kernels.uses_bf16()
+    return kernels_missing("bf16") is None
 
 
 @needs_onednn
@@ -175,7 +176,7 @@ def _assert_one_graph_for_2_and_12_rows(layer: Linear, x: torch.Tensor, eager: l
             assert torch.equal(graph(x.clone()), eager[1])
 
 
-needs_q4a8 = pytest.mark.skipif(not kernels.loaded(), reason="q4a8_linear_f32 needs AVX2")
+needs_q4a8 = pytest.mark.kernels("avx2")  # q4a8_linear_f32
 
 
 @needs_onednn
@@ -233,7 +234,7 @@ def test_a_float32_q8_linear_feeds_both_halves_to_the_avx2_kernel():
 
 
 @needs_onednn
-@pytest.mark.skipif(not kernels.uses_vnni(), reason="w4a8_linear needs AVX512-VNNI")
+@pytest.mark.kernels("vnni")  # w4a8_linear
 def test_w4a8_takes_the_big_steps_and_the_bfloat16_matrix_goes(private_cache):
     """With ``w4a8``, steps over ``max_tokens`` rows multiply the same 4-bit integers by 8-bit
     activations (the kernel's exact numbers, plus the bias); small steps stay on q4_linear;
@@ -265,10 +266,7 @@ def test_a_compiled_4bit_linear_has_one_graph_for_every_batch(private_cache, w4a
     (``nanoserve::gguf_linear``), so a compiled graph with a dynamic batch takes 2 rows and 12
     without recompiling: a Python branch on the rows made a graph for each side, and the
     worker traced it on every start."""
-    if not (kernels.available() and kernels.uses_bf16()):
-        pytest.skip("nanoserve's 4-bit kernel needs AVX512-BF16")
-    if w4a8 and not kernels.uses_vnni():
-        pytest.skip("w4a8_linear needs AVX512-VNNI")
+    require_kernels("vnni" if w4a8 else "bf16")  # w4a8_linear, or q4_linear alone
     parts = [_random_q4(96, 128, seed) for seed in (2, 3)]
     weight = torch.cat([_dequantized(p) for p in parts]).bfloat16()
     layer, _ = _planned(weight, None, parts, 3, w4a8=w4a8)

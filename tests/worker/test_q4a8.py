@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from q4_cases import dequantized64, q4_case, w4a8_reference
 
-from worker.cpu import kernels
+from tests.worker.kernel_checks import require_kernels
+from tests.worker.q4_cases import dequantized64, q4_case, w4a8_reference
 from worker.linear.packing import pack_q4a8
 from worker.model.gguf import Q4Tensor
 
@@ -18,8 +18,7 @@ from worker.model.gguf import Q4Tensor
 @pytest.fixture(autouse=True)
 def built(private_cache):
     """Build (or load) the kernels in the tests' private cache, or skip where they cannot be."""
-    if not kernels.loaded():
-        pytest.skip("needs AVX2, FMA, F16C and a C++ compiler (worker.cpu.kernels)")
+    require_kernels("avx2")
 
 
 def linear(x, packed):

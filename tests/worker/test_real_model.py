@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, hf_logits, make_worker
-from driver import Driver, Request, greedy_requests
 
+from tests.worker.conftest import hf_greedy, hf_logits, make_worker
+from tests.worker.driver import Driver, Request, greedy_requests
 from worker import plan
 from worker.attention import TorchBackend
 from worker.cpu import kernels

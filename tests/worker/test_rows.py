@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_worker
 
 from protocol.messages import PENDING_TOKEN, SamplingParams, StepInput, StepItem
+from tests.worker.conftest import make_worker
 
 P = SamplingParams(temperature=0.0)
 

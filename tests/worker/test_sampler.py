@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from conftest import make_worker
-from driver import Driver, Request
 
 from protocol.messages import SamplingParams
+from tests.worker.conftest import make_worker
+from tests.worker.driver import Driver, Request
 from worker.rows import Row
 from worker.sampler import Sampler, filtered_probs
 

@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import torch
-from conftest import make_worker
 
 from protocol.messages import SamplingParams, StepInput, StepItem
+from tests.worker.conftest import make_worker
 from worker.attention import AttentionMetadata
 from worker.shapes import padded_count, padded_length
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, hf_logits, hf_model, make_worker
-from driver import Driver, greedy_requests
 
+from tests.worker.conftest import hf_greedy, hf_logits, hf_model, make_worker
+from tests.worker.driver import Driver, greedy_requests
 from worker.attention import TorchBackend
 from worker.cpu import kernels
 from worker.linear.base import DENSE, Linear
