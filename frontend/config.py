@@ -29,6 +29,11 @@ class FrontendConfig:
     ``stall_timeout``: /health turns 503 when requests run but no step finishes for this long.
     ``default_max_tokens`` caps ``max_tokens`` when a request leaves it out (None: fill up to
     the context length, as vLLM does).
+    ``disable_any_whitespace`` and ``disable_additional_properties`` (vLLM's names; a request's
+    ``structured_outputs`` may override them) say how JSON schemas compile: without free
+    whitespace, and with every object that names its properties closed
+    (``frontend.json_schema``). ``grammar_compile_timeout``: a grammar that takes longer to
+    compile is refused (400).
     """
 
     host: str = "127.0.0.1"
@@ -44,6 +49,9 @@ class FrontendConfig:
     max_logprobs: int = MAX_LOGPROBS
     max_n: int = 16
     default_max_tokens: int | None = None
+    disable_any_whitespace: bool = True
+    disable_additional_properties: bool = True
+    grammar_compile_timeout: float = 2.0
     drain_timeout: float = 30.0
     heartbeat_interval: float = 0.5
     scheduler_timeout: float = 2.0
@@ -72,7 +80,14 @@ class FrontendConfig:
             raise ValueError(f"max_logprobs must be in [0, {limit}], got {self.max_logprobs}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
-        for name in ("drain_timeout", "heartbeat_interval", "scheduler_timeout", "stall_timeout"):
+        timeouts = (
+            "drain_timeout",
+            "heartbeat_interval",
+            "scheduler_timeout",
+            "stall_timeout",
+            "grammar_compile_timeout",
+        )
+        for name in timeouts:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.scheduler_timeout <= self.heartbeat_interval:

@@ -7,7 +7,13 @@ import dataclasses
 import logging
 import os
 
-from nanoserve.options import add_address_args, add_model_arg, add_pin_cpu_arg, addresses_from
+from nanoserve.options import (
+    add_address_args,
+    add_model_arg,
+    add_pin_cpu_arg,
+    addresses_from,
+    env,
+)
 
 _ENV = "NANOSERVE_"
 
@@ -53,11 +59,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="cap for requests without max_tokens (default: fill the context)",
     )
+    add_structured_args(p)
     p.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT", "30")))
     p.add_argument("--scheduler-timeout", type=float, default=2.0)
     p.add_argument("--stall-timeout", type=float, default=30.0)
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     p.set_defaults(func=_run)
+
+
+def add_structured_args(parser: argparse.ArgumentParser) -> None:
+    """How JSON schemas compile (vLLM's switch names) and how long a grammar may take; the
+    defaults are FrontendConfig's (frontend.json_schema says why)."""
+    group = parser.add_argument_group("structured outputs")
+    group.add_argument(
+        "--disable-additional-properties",
+        action=argparse.BooleanOptionalAction,
+        default=env("disable_additional_properties", True, bool),
+        help="close every JSON object that names its properties and does not set "
+        "additionalProperties (default: on; --no-...: such objects are open, as JSON Schema "
+        "reads them; a request may say otherwise in structured_outputs)",
+    )
+    group.add_argument(
+        "--disable-any-whitespace",
+        action=argparse.BooleanOptionalAction,
+        default=env("disable_any_whitespace", True, bool),
+        help="JSON without free whitespace between tokens (default: on; a request may say "
+        "otherwise in structured_outputs)",
+    )
+    group.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=env("grammar_compile_timeout", 2.0, float),
+        help="seconds a grammar may take to compile; a slower one gets a 400 [%(default)s]",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -84,6 +118,9 @@ def _run(args: argparse.Namespace) -> int:
         max_logprobs=args.max_logprobs,
         max_n=args.max_n,
         default_max_tokens=args.default_max_tokens,
+        disable_any_whitespace=args.disable_any_whitespace,
+        disable_additional_properties=args.disable_additional_properties,
+        grammar_compile_timeout=args.grammar_compile_timeout,
         drain_timeout=args.drain_timeout,
         scheduler_timeout=args.scheduler_timeout,
         stall_timeout=args.stall_timeout,

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+from nanoserve.commands.frontend import add_structured_args
 from nanoserve.commands.scheduler import add_scheduler_args
 from nanoserve.commands.worker import add_worker_args
 from nanoserve.options import add_address_args, add_model_arg, env
@@ -39,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=env("api_key"),
         help="require one of these Bearer tokens (comma-separated)",
     )
+    add_structured_args(parser)
     parser.set_defaults(func=run)
 
 
