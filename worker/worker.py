@@ -81,6 +81,10 @@ class Worker:
         self.spec = ModelSpec.from_config(checkpoint.config)
         self.shard = Shard.of(self.spec, group.rank, group.size)
         self.eos_token_ids = checkpoint.eos_token_ids
+        # The grammar engine builds in a thread of its own meanwhile; only the leader samples.
+        self.grammar = grammar_masks(
+            self.files, self.spec.vocab_size, self.eos_token_ids, eager=group.leader
+        )
         self.max_model_len = resolve_max_model_len(config, checkpoint.config)
         self._load_model(checkpoint)
         self.kv_dtype = self._kv_dtype()
@@ -93,7 +97,6 @@ class Worker:
             seed=config.seed,
         )
         self._choose_kernels()
-        self.grammar = grammar_masks(self.files, self.spec.vocab_size, self.eos_token_ids)
         self.compiled = None
         self.compile_job: BackgroundCompile | None = None
         if wants_compile(self):
@@ -101,6 +104,7 @@ class Worker:
         self._in_step = False
         self._step_ended = time.monotonic()
         self.cache.populate(self.compile_job.wait if self.compile_job else None, self._busy)
+        self.grammar.wait_built()  # before the worker announces itself: no step waits for it
 
     def _shard_of(self, model_config) -> Shard | None:
         """What this rank reads of every tensor (None: all of it); ValueError for a group size
