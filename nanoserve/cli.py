@@ -22,7 +22,13 @@ COMMANDS = [
     "soak",
     "sweep_watermark",
 ]
-BENCH_COMMANDS = ["bench_forward", "bench_scheduler", "bench_serve", "bench_tp"]
+BENCH_COMMANDS = [
+    "bench_forward",
+    "bench_scheduler",
+    "bench_serve",
+    "bench_structured_clients",
+    "bench_tp",
+]
 
 
 class UserError(Exception):
@@ -35,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         _register(name, sub)
-    bench = sub.add_parser("bench", help="benchmarks: forward, scheduler, serve")
+    bench = sub.add_parser(
+        "bench", help="benchmarks: forward, scheduler, serve, structured-clients, tp"
+    )
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     for name in BENCH_COMMANDS:
         _register(name, bench_sub)
