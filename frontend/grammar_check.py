@@ -3,8 +3,9 @@ limit, and remember the verdict.
 
 A bad schema, regex or grammar must get a 400 here and never reach the scheduler, so every
 constrained request's grammar is compiled against the model's vocabulary the way the worker
-compiles it (an ``llguidance.LLMatcher`` with the same default limits: a grammar accepted here
-starts in the worker too), in a thread; llguidance drops the GIL while it compiles. The
+compiles it (an ``llguidance.LLMatcher`` with the same default limits, and its first mask: a
+grammar accepted here starts in the worker too), in a thread; llguidance drops the GIL while it
+compiles. The
 vocabulary is built once, at start, in a thread of its own.
 
 A compile that runs past ``timeout`` is refused (400) and the verdict kept, so the grammar never
@@ -88,10 +89,13 @@ class GrammarChecker:
         matcher = llguidance.LLMatcher(
             self._vocabulary.result(), grammar, log_level=0, limits=self._limits
         )
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # the first mask: some grammars fail only there
         log.debug("compiled a grammar in %.3f s", time.perf_counter() - began)
         if not matcher.is_error():
             return ""
-        message = matcher.get_error() or "the grammar does not compile"
+        message = matcher.get_error().removesuffix("<non-verbose/>").strip()
+        message = message or "the grammar does not compile"
         return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS] + "..."
 
 

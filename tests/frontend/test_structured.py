@@ -45,6 +45,9 @@ def outputs(**spec: Any) -> dict[str, Any]:
     return {"structured_outputs": spec}
 
 
+# A Lark alternation of 3,000 regex terminals: it compiles, then fails at its first mask.
+TERMINALS = "start: " + " | ".join(f"t{i}" for i in range(3000)) + "\n"
+TERMINALS += "".join(f"t{i}: /[a-z]{{1,60}}{i}[a-z ]{{0,60}}/\n" for i in range(3000))
 BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"response_format": schema_format({"type": "objekt"})}, "response_format", "objekt"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "needs"),
@@ -57,6 +60,7 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     (outputs(regex="(abc"), "structured_outputs", "regex"),
     (outputs(grammar="start: foo"), "structured_outputs", "foo"),
     (outputs(grammar="root ::= ( "), "structured_outputs", "grammar"),
+    (outputs(grammar=TERMINALS), "structured_outputs", "too many expressions"),
     (outputs(choice=[]), "structured_outputs", "choice"),
     (outputs(json="{not json"), "structured_outputs", "not JSON"),
     (outputs(regex="a", choice=["a"]), "structured_outputs", "exactly one"),
