@@ -15,8 +15,9 @@ Modes (how a client asks for a Pydantic model):
 Every request goes through its own HTTP client, which keeps the server's reply whatever the
 client library then makes of it. Each JSON value in a reply (its content, or each tool call's
 arguments) is checked against the model's own JSON schema (jsonschema), and for properties the
-schema does not name. ``disable_any_whitespace`` (vLLM's field) is sent per request, so one
-server measures both whitespace modes. Needs the ``test`` extra (openai, instructor, jsonschema).
+schema does not name. vLLM's ``disable_any_whitespace`` and ``disable_additional_properties``
+are sent with every request, so one server measures each setting. Needs the ``test`` extra
+(openai, instructor, jsonschema).
 """
 
 from __future__ import annotations
@@ -62,6 +63,15 @@ class Ask:
     compact: bool  # disable_any_whitespace
     seed: int = 0
     max_tokens: int = MAX_TOKENS
+    closed: bool = True  # disable_additional_properties
+
+    @property
+    def switches(self) -> dict[str, bool]:
+        """vLLM's two JSON switches, as ``structured_outputs`` sends them."""
+        return {
+            "disable_any_whitespace": self.compact,
+            "disable_additional_properties": self.closed,
+        }
 
 
 @dataclass
@@ -95,6 +105,7 @@ class Outcome:
             "mode": ask.mode,
             "temperature": ask.temperature,
             "compact": ask.compact,
+            "closed": ask.closed,
             "status": self.status,
             "finish_reason": self.finish_reason,
             "completion_tokens": self.completion_tokens,
@@ -160,7 +171,7 @@ def _options(ask: Ask) -> dict[str, Any]:
 async def _http(base_url: str, model: str, ask: Ask, bodies: list) -> None:
     import aiohttp
 
-    spec = {"json": ask.case.model.model_json_schema(), "disable_any_whitespace": ask.compact}
+    spec = {"json": ask.case.model.model_json_schema(), **ask.switches}
     body = {"model": model, "messages": _messages(ask), "structured_outputs": spec}
     url = base_url.rstrip("/") + "/v1/chat/completions"
     async with aiohttp.ClientSession() as session:
@@ -183,7 +194,7 @@ async def _client(base_url: str, model: str, ask: Ask, bodies: list) -> None:
         base_url=base_url.rstrip("/") + "/v1", api_key="unused", max_retries=0, http_client=http
     )
     args = dict(model=model, messages=_messages(ask), **_options(ask))
-    args["extra_body"] = {"structured_outputs": {"disable_any_whitespace": ask.compact}}
+    args["extra_body"] = {"structured_outputs": ask.switches}
     try:
         if ask.mode == "openai-parse":
             await client.chat.completions.parse(response_format=ask.case.model, **args)

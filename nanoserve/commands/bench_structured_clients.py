@@ -16,6 +16,7 @@ from collections import defaultdict
 from typing import Any
 
 _WHITESPACE = {"compact": [True], "flexible": [False], "both": [True, False]}
+_OBJECTS = {"closed": [True], "open": [False], "both": [True, False]}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -31,7 +32,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--cases", nargs="+", help="model names (default: all)")
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
-    p.add_argument("--whitespace", choices=sorted(_WHITESPACE), default="both")
+    p.add_argument(
+        "--whitespace", choices=sorted(_WHITESPACE), default="both", help="disable_any_whitespace"
+    )
+    p.add_argument(
+        "--objects",
+        choices=sorted(_OBJECTS),
+        default="closed",
+        help="disable_additional_properties (open: what JSON Schema allows, unless strict)",
+    )
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--json", metavar="PATH", help="write every outcome as JSON ('-': stdout)")
@@ -52,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise UserError(f"no such case: {', '.join(sorted(unknown))}")
     asks = [
-        Ask(case, mode, temperature, compact, seed=index, max_tokens=args.max_tokens)
+        Ask(case, mode, temperature, compact, index, args.max_tokens, closed)
+        for closed in _OBJECTS[args.objects]
         for compact in _WHITESPACE[args.whitespace]
         for temperature in args.temperatures
         for mode in args.modes
@@ -93,16 +103,17 @@ def format_report(outcomes: list[Any]) -> str:
     """One row per mode, whitespace and temperature; then every failure, one line each."""
     groups: dict[tuple, list] = defaultdict(list)
     for o in outcomes:
-        groups[(o.ask.mode, o.ask.compact, o.ask.temperature)].append(o)
+        groups[(o.ask.mode, o.ask.closed, o.ask.compact, o.ask.temperature)].append(o)
     header = (
-        f"{'mode':<27} {'whitespace':<10} {'temp':>4} {'replies':>7} {'valid':>5} "
-        f"{'extra':>5} {'cut':>4} {'cut*':>4} {'tokens':>6}"
+        f"{'mode':<27} {'objects':<7} {'whitespace':<10} {'temp':>4} {'replies':>7} "
+        f"{'valid':>5} {'extra':>5} {'cut':>4} {'cut*':>4} {'tokens':>6}"
     )
     lines = [header, "-" * len(header)]
-    for (mode, compact, temperature), group in groups.items():
+    for (mode, closed, compact, temperature), group in groups.items():
         tokens = sum(o.completion_tokens for o in group) / len(group)
         lines.append(
-            f"{mode:<27} {'compact' if compact else 'flexible':<10} {temperature:>4g} "
+            f"{mode:<27} {'closed' if closed else 'open':<7} "
+            f"{'compact' if compact else 'flexible':<10} {temperature:>4g} "
             f"{len(group):>7} {sum(o.valid for o in group):>5} "
             f"{sum(bool(o.extra) for o in group):>5} {sum(o.cut for o in group):>4} "
             f"{sum(o.cut and o.ask.case.bounded for o in group):>4} {tokens:>6.1f}"
@@ -117,8 +128,9 @@ def format_report(outcomes: list[Any]) -> str:
         why = (
             o.client_error or o.schema_error or (f"extra {o.extra}" if o.extra else o.finish_reason)
         )
+        objects = "closed" if ask.closed else "open"
         lines.append(
-            f"{ask.mode} {'compact' if ask.compact else 'flexible'} t={ask.temperature:g} "
-            f"{ask.case.name}: {why}"
+            f"{ask.mode} {objects} {'compact' if ask.compact else 'flexible'} "
+            f"t={ask.temperature:g} {ask.case.name}: {why}"
         )
     return "\n".join(lines)
