@@ -36,6 +36,7 @@ from frontend.schemas import (
     StructuredOutputs,
 )
 from frontend.tool_calls import ToolChoice, tool_choice
+from protocol.params import MAX_GRAMMAR_CHARS
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")  # structured_outputs' constraints
 _ANY_OBJECT = {"type": "object"}
@@ -126,6 +127,9 @@ def _structured_outputs(spec: StructuredOutputs, options: JsonOptions) -> Constr
         return Constraint(llguidance.grammar_from("choice", json.dumps(value)), param)
     if kind == "regex":
         return Constraint(llguidance.LLMatcher.grammar_from_regex(value), param)
+    if len(value) > MAX_GRAMMAR_CHARS:  # before an EBNF is translated, on the event loop
+        message = f"structured_outputs.grammar has over {MAX_GRAMMAR_CHARS} characters"
+        raise ApiError(400, message, param=param)
     try:
         return Constraint(llguidance.grammar_from("grammar", value), param)  # Lark or GBNF
     except ValueError as exc:

@@ -16,8 +16,9 @@ from typing import Any
 import openai
 import pytest
 
+from frontend.config import FrontendConfig
 from frontend.grammar_check import GrammarChecker
-from frontend.json_schema import JsonOptions
+from frontend.json_schema import JsonOptions, close_objects
 from protocol.params import MAX_GRAMMAR_CHARS
 from tests.frontend.conftest import Server
 
@@ -61,6 +62,7 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     (outputs(grammar="start: foo"), "structured_outputs", "foo"),
     (outputs(grammar="root ::= ( "), "structured_outputs", "grammar"),
     (outputs(grammar=TERMINALS), "structured_outputs", "too many expressions"),
+    (outputs(grammar="root ::= " + "a" * MAX_GRAMMAR_CHARS), "structured_outputs", "over"),
     (outputs(choice=[]), "structured_outputs", "choice"),
     (outputs(json="{not json"), "structured_outputs", "not JSON"),
     (outputs(regex="a", choice=["a"]), "structured_outputs", "exactly one"),
@@ -224,6 +226,58 @@ async def test_what_the_schema_says_is_honoured(server: Server, accepts) -> None
     assert accepts(as_format, EXACT) and not accepts(as_format, EXTRA_TOP)
     call = '[{{"name":"f","arguments":{}}}]'
     assert accepts(as_call, call.format(EXACT)) and not accepts(as_call, call.format(EXTRA_TOP))
+
+
+def test_close_objects_closes_what_names_its_members_and_leaves_the_rest() -> None:
+    """Closed: objects naming properties or patternProperties, in $defs, items, anyOf and the
+    members of an allOf's parts. Untouched: an explicit additionalProperties, a free-form
+    object, an allOf's parts and their holder (closed apart, each would forbid the other's)."""
+    part_a = {"properties": {"a": {"type": "object", "properties": {"x": {}}}}}
+    part_b = {"properties": {"b": {}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "list": {"type": "array", "items": {"properties": {"y": {}}}},
+            "either": {"anyOf": [{"patternProperties": {"^z": {}}}, {"type": "null"}]},
+            "free": {"type": "object"},
+            "typed": {"properties": {"t": {}}, "additionalProperties": {"type": "integer"}},
+            "both": {"properties": {"c": {}}, "allOf": [part_a, part_b]},
+        },
+        "$defs": {"Ref": {"properties": {"r": {}}}},
+    }
+    closed = close_objects(schema)
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert props["list"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert closed["$defs"]["Ref"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["free"]
+    assert props["typed"]["additionalProperties"] == {"type": "integer"}
+    assert "additionalProperties" not in props["both"]
+    part_a_closed, part_b_closed = props["both"]["allOf"]
+    assert (
+        "additionalProperties" not in part_a_closed and "additionalProperties" not in part_b_closed
+    )
+    assert part_a_closed["properties"]["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # a copy: the request's schema is untouched
+
+
+async def test_an_allof_composition_keeps_every_part(server: Server, accepts) -> None:
+    """Closed by default, an allOf of two parts still takes both parts' properties."""
+    schema = {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {}}}]}
+    (grammar,) = await grammars_of(server, [{**CHAT, **outputs(json=schema)}])
+    assert accepts(grammar, '{"a":1,"b":"x"}')
+
+
+def test_the_command_line_defaults_are_the_configs() -> None:
+    """nanoserve frontend's structured-outputs flags default to FrontendConfig's fields."""
+    from nanoserve.cli import build_parser
+
+    args = build_parser().parse_args(["frontend"])
+    config = FrontendConfig()
+    for name in ("disable_any_whitespace", "disable_additional_properties"):
+        assert getattr(args, name) is getattr(config, name) is True
+    assert args.grammar_compile_timeout == config.grammar_compile_timeout
 
 
 @pytest.mark.frontend(disable_additional_properties=False, disable_any_whitespace=False)
