@@ -25,6 +25,11 @@ class FrontendConfig:
     ``stall_timeout``: /health turns 503 when requests run but no step finishes for this long.
     ``default_max_tokens`` caps ``max_tokens`` when a request leaves it out (None: fill up to
     the context length, as vLLM does).
+    ``disable_any_whitespace`` and ``disable_additional_properties`` (vLLM's names; a request's
+    ``structured_outputs`` may override them) say how JSON schemas compile: without free
+    whitespace, and with every object that names its properties closed
+    (``frontend.json_schema``). ``grammar_compile_timeout``: a grammar that takes longer to
+    compile is refused (400).
     """
 
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address"})
@@ -59,6 +64,24 @@ class FrontendConfig:
     default_max_tokens: int | None = field(
         default=None,
         metadata={"help": "cap for requests that give no max_tokens", "shown": "fill the context"},
+    )
+    disable_any_whitespace: bool = field(
+        default=True,
+        metadata={
+            "help": "JSON under a schema without free whitespace between tokens (a request may "
+            "say otherwise in structured_outputs)"
+        },
+    )
+    disable_additional_properties: bool = field(
+        default=True,
+        metadata={
+            "help": "close every JSON object that names its properties and sets no "
+            "additionalProperties (a request may say otherwise in structured_outputs)"
+        },
+    )
+    grammar_compile_timeout: float = field(
+        default=2.0,
+        metadata={"help": "seconds a grammar may take to compile; a slower one gets a 400"},
     )
     drain_timeout: float = field(
         default=30.0, metadata={"help": "seconds in-flight requests may finish after SIGTERM"}
@@ -98,7 +121,14 @@ class FrontendConfig:
             raise ValueError(f"max_logprobs must be in [0, {limit}], got {self.max_logprobs}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
-        for name in ("drain_timeout", "heartbeat_interval", "scheduler_timeout", "stall_timeout"):
+        timeouts = (
+            "drain_timeout",
+            "heartbeat_interval",
+            "scheduler_timeout",
+            "stall_timeout",
+            "grammar_compile_timeout",
+        )
+        for name in timeouts:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.scheduler_timeout <= self.heartbeat_interval:

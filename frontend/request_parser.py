@@ -11,6 +11,7 @@ from frontend.config import FrontendConfig
 from frontend.errors import ApiError
 from frontend.geometry import Geometry
 from frontend.grammar_check import GrammarChecker
+from frontend.json_schema import JsonOptions
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from frontend.structured import Constraint, constraint_for
 from frontend.tool_calls import ToolChoice
@@ -72,7 +73,11 @@ class RequestParser:
         )
         self._completion = msgspec.json.Decoder(CompletionRequest)
         self._chat = msgspec.json.Decoder(ChatCompletionRequest)
-        self.grammars = GrammarChecker(tokenizer)
+        self.json_options = JsonOptions(
+            disable_any_whitespace=config.disable_any_whitespace,
+            disable_additional_properties=config.disable_additional_properties,
+        )
+        self.grammars = GrammarChecker(tokenizer, timeout=config.grammar_compile_timeout)
 
     def parse(self, body: bytes, *, chat: bool, geometry: Geometry) -> GenerationRequest:
         """Decode and validate one body; raise ApiError (400 or 404) on anything wrong."""
@@ -90,7 +95,7 @@ class RequestParser:
         self._check_prompt(prompt_ids, geometry)
         max_tokens = self._max_tokens(max_tokens, len(prompt_ids), geometry)
         params = self._sampling_params(request, max_tokens, logprobs)
-        constraint = constraint_for(request, self.tokenizer.renders_tools())
+        constraint = constraint_for(request, self.tokenizer.renders_tools(), self.json_options)
         if constraint is not None:
             params = msgspec.structs.replace(params, grammar=constraint.grammar)
         self._check(params, prompt_ids, chat, constraint)
@@ -111,8 +116,8 @@ class RequestParser:
         )
 
     async def check_grammar(self, request: GenerationRequest) -> None:
-        """ApiError 400 unless the request's grammar compiles (off the event loop, once per
-        grammar)."""
+        """ApiError 400 unless the request's grammar compiles within the time limit (off the
+        event loop, once per grammar)."""
         if request.constraint is None:
             return
         param = request.constraint.param

@@ -39,12 +39,17 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
 
 class StructuredOutputs(msgspec.Struct, kw_only=True):
     """vLLM's ``structured_outputs``: exactly one of a JSON schema (an object or its text), a
-    regular expression, a list of choices, or a Lark or EBNF (GBNF) grammar."""
+    regular expression, a list of choices, a Lark or EBNF (GBNF) grammar, or any JSON object;
+    and vLLM's two JSON switches (None: the server's), which also apply to the schema of
+    ``response_format`` or ``tools``."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):

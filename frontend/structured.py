@@ -3,15 +3,20 @@
 At most one of these fields may constrain a request:
 
 - ``response_format`` (OpenAI): ``{"type": "json_object"}``, or ``{"type": "json_schema",
-  "json_schema": {"schema": ..., "strict": ...}}``; ``strict`` closes every object the schema
-  leaves open (``additionalProperties: false``, as vLLM does), so no key outside it appears;
+  "json_schema": {"schema": ..., "strict": ...}}``;
 - ``structured_outputs`` (vLLM): exactly one of ``json``, ``regex``, ``choice``, ``grammar``
-  (Lark, or EBNF/GBNF);
+  (Lark, or EBNF/GBNF) or ``json_object``;
 - ``tools`` with ``tool_choice`` ``"required"`` or a named function (``frontend.tool_calls``).
 
-JSON is compact (no free whitespace): a small model otherwise wanders into blank lines. Making
-the grammar text is cheap and happens here; compiling it against the vocabulary is
-``GrammarChecker``'s, off the event loop.
+Every JSON schema, whichever field brings it, compiles under ``JsonOptions``
+(``frontend.json_schema``): objects closed and no free whitespace unless the server's options or
+the request's ``structured_outputs.disable_additional_properties`` and
+``structured_outputs.disable_any_whitespace`` (vLLM's names) say otherwise. A
+``structured_outputs`` that gives only those options may come with ``response_format`` or
+``tools``, as in vLLM. ``strict: true`` (OpenAI's, on a json_schema or a function) always closes.
+
+Making the grammar text is cheap and happens here; compiling it against the vocabulary is
+``GrammarChecker``'s, off the event loop and within a time limit.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 import llguidance
 
 from frontend.errors import ApiError
-from frontend.json_schema import COMPACT, close_objects
+from frontend.json_schema import JsonOptions
 from frontend.schemas import (
     ChatCompletionRequest,
     ResponseFormat,
@@ -31,6 +36,10 @@ from frontend.schemas import (
     StructuredOutputs,
 )
 from frontend.tool_calls import ToolChoice, tool_choice
+from protocol.params import MAX_GRAMMAR_CHARS
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # structured_outputs' constraints
+_ANY_OBJECT = {"type": "object"}
 
 
 @dataclass(frozen=True)
@@ -43,38 +52,47 @@ class Constraint:
     tools: ToolChoice | None = None
 
 
-def constraint_for(request: SamplingFields, renders_tools: bool) -> Constraint | None:
+def constraint_for(
+    request: SamplingFields, renders_tools: bool, defaults: JsonOptions
+) -> Constraint | None:
     """The request's constraint, or None; ApiError 400 for a malformed or conflicting one.
-    ``renders_tools``: whether the model's chat template shows the model its tools."""
+    ``renders_tools``: whether the model's chat template shows the model its tools;
+    ``defaults``: the server's JSON options, which ``structured_outputs`` may override."""
+    spec = request.structured_outputs
+    options = defaults
+    if spec is not None:
+        options = defaults.with_overrides(
+            spec.disable_any_whitespace, spec.disable_additional_properties
+        )
     found = []
     if request.response_format is not None and request.response_format.type != "text":
-        found.append(_response_format(request.response_format))
-    if request.structured_outputs is not None:
-        found.append(_structured_outputs(request.structured_outputs))
+        found.append(_response_format(request.response_format, options))
+    if spec is not None and _kinds(spec):
+        found.append(_structured_outputs(spec, options))
     if isinstance(request, ChatCompletionRequest):
-        tools = tool_choice(request, renders_tools)
+        tools = tool_choice(request, renders_tools, options)
         if tools is not None:
             found.append(Constraint(tools.grammar, "tools", tools))
     if len(found) > 1:
         names = " and ".join(c.param for c in found)
         raise ApiError(400, f"{names} both constrain the reply: give one", param=found[1].param)
+    if spec is not None and not found:
+        message = f"structured_outputs must give exactly one of {', '.join(_KINDS)}, got none"
+        raise ApiError(400, message, param="structured_outputs")
     return found[0] if found else None
 
 
-def json_grammar(schema: dict[str, Any], *, strict: bool, param: str) -> str:
-    """The grammar of a JSON schema, compact unless its ``x-guidance`` says otherwise."""
-    if strict:
-        schema = close_objects(schema)
+def _json(options: JsonOptions, schema: dict[str, Any], strict: bool, param: str) -> str:
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT)
+        return options.grammar(schema, strict)
     except ValueError as exc:
         raise ApiError(400, f"invalid JSON schema: {exc}", param=param) from None
 
 
-def _response_format(fmt: ResponseFormat) -> Constraint:
+def _response_format(fmt: ResponseFormat, options: JsonOptions) -> Constraint:
     param = "response_format"
     if fmt.type == "json_object":
-        return Constraint(json_grammar({"type": "object"}, strict=False, param=param), param)
+        return Constraint(_json(options, _ANY_OBJECT, False, param), param)
     if fmt.type != "json_schema":
         kinds = '"text", "json_object" or "json_schema"'
         raise ApiError(400, f"response_format.type must be {kinds}, got {fmt.type!r}", param=param)
@@ -82,22 +100,26 @@ def _response_format(fmt: ResponseFormat) -> Constraint:
         message = 'response_format "json_schema" needs json_schema.schema'
         raise ApiError(400, message, param=param)
     strict = bool(fmt.json_schema.strict)
-    return Constraint(json_grammar(fmt.json_schema.schema, strict=strict, param=param), param)
+    return Constraint(_json(options, fmt.json_schema.schema, strict, param), param)
 
 
-def _structured_outputs(spec: StructuredOutputs) -> Constraint:
+def _kinds(spec: StructuredOutputs) -> list[str]:
+    """The constraints ``structured_outputs`` gives (``json_object: false`` gives none)."""
+    return [kind for kind in _KINDS if getattr(spec, kind) not in (None, False)]
+
+
+def _structured_outputs(spec: StructuredOutputs, options: JsonOptions) -> Constraint:
     param = "structured_outputs"
-    given = {
-        name: getattr(spec, name)
-        for name in spec.__struct_fields__
-        if getattr(spec, name) is not None
-    }
-    if len(given) != 1:
-        message = "structured_outputs must give exactly one of json, regex, choice, grammar"
-        raise ApiError(400, f"{message}, got {sorted(given) or 'none'}", param=param)
-    ((kind, value),) = given.items()
+    kinds = _kinds(spec)
+    if len(kinds) != 1:
+        message = f"structured_outputs must give exactly one of {', '.join(_KINDS)}"
+        raise ApiError(400, f"{message}, got {kinds}", param=param)
+    kind = kinds[0]
+    value = getattr(spec, kind)
+    if kind == "json_object":
+        return Constraint(_json(options, _ANY_OBJECT, False, param), param)
     if kind == "json":
-        return Constraint(json_grammar(_schema(value), strict=False, param=param), param)
+        return Constraint(_json(options, _schema(value), False, param), param)
     if kind == "choice":
         if not value or not all(value):
             message = "structured_outputs.choice must be a list of non-empty strings"
@@ -105,6 +127,9 @@ def _structured_outputs(spec: StructuredOutputs) -> Constraint:
         return Constraint(llguidance.grammar_from("choice", json.dumps(value)), param)
     if kind == "regex":
         return Constraint(llguidance.LLMatcher.grammar_from_regex(value), param)
+    if len(value) > MAX_GRAMMAR_CHARS:  # before an EBNF is translated, on the event loop
+        message = f"structured_outputs.grammar has over {MAX_GRAMMAR_CHARS} characters"
+        raise ApiError(400, message, param=param)
     try:
         return Constraint(llguidance.grammar_from("grammar", value), param)  # Lark or GBNF
     except ValueError as exc:

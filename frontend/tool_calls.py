@@ -3,9 +3,11 @@
 The reply is constrained to JSON text: for a named function, its arguments object; for
 ``"required"``, an array of one or more calls (exactly one when ``parallel_tool_calls`` is
 false), each ``{"name":"<function>","arguments":{...}}`` with that function's arguments. Every
-function's ``parameters`` schema is closed (``additionalProperties: false``) and compiled on its
-own (``%json`` in a Lark grammar), so its ``$ref``s resolve as they do in the schema alone.
-``ToolCallParser`` turns the text, as it streams, into OpenAI's tool-call deltas.
+function's ``parameters`` schema compiles under the request's ``JsonOptions`` (closed objects
+unless the options say otherwise; always closed for a ``strict`` function), on its own (``%json``
+in a Lark grammar), so its ``$ref``s resolve as they do in the schema alone. ``ToolCallParser``
+turns the text, as it streams, into OpenAI's tool-call deltas (whitespace between its tokens
+included).
 
 ``"none"`` ignores the tools. ``"auto"``, OpenAI's default when ``tools`` come without
 ``tool_choice``, lets the model choose between text and a call: that needs a chat template that
@@ -23,7 +25,7 @@ from typing import Any
 import llguidance
 
 from frontend.errors import ApiError
-from frontend.json_schema import COMPACT, close_objects
+from frontend.json_schema import JsonOptions
 from frontend.schemas import ChatCompletionRequest, NamedToolChoice
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -41,9 +43,11 @@ class ToolChoice:
     named: str | None
 
 
-def tool_choice(request: ChatCompletionRequest, renders_tools: bool) -> ToolChoice | None:
+def tool_choice(
+    request: ChatCompletionRequest, renders_tools: bool, options: JsonOptions
+) -> ToolChoice | None:
     """The request's tool-call constraint, None when it has none; ApiError 400 when its tools
-    or tool_choice are malformed, or ask for "auto"."""
+    or tool_choice are malformed, or ask for "auto". ``options``: how parameters compile."""
     choice, tools = request.tool_choice, request.tools or []
     if not tools:
         if choice not in (None, "none"):
@@ -55,19 +59,26 @@ def tool_choice(request: ChatCompletionRequest, renders_tools: bool) -> ToolChoi
     if choice is None or choice == "auto":
         raise ApiError(400, _auto_refused(choice is None, renders_tools), param=_PARAM)
     if choice == "required":
-        return ToolChoice(_calls_grammar(functions, request.parallel_tool_calls), None)
+        grammar = _calls_grammar(functions, request.parallel_tool_calls, options)
+        return ToolChoice(grammar, None)
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if choice.type != "function" or name not in functions:
             raise ApiError(400, f"tool_choice names no function of tools: {name!r}", param=_PARAM)
-        return ToolChoice(_arguments_grammar(functions[name]), name)
+        return ToolChoice(_arguments_grammar(functions[name], options), name)
     message = f'tool_choice must be "none", "required", "auto" or a function, got {choice!r}'
     raise ApiError(400, message, param=_PARAM)
 
 
-def _functions(tools: list[Any]) -> dict[str, dict[str, Any]]:
-    """Each function's name -> its parameters schema; ApiError 400 for a malformed tool."""
-    functions: dict[str, dict[str, Any]] = {}
+@dataclass(frozen=True)
+class _Function:
+    parameters: dict[str, Any]
+    strict: bool
+
+
+def _functions(tools: list[Any]) -> dict[str, _Function]:
+    """Each function's name -> its parameters; ApiError 400 for a malformed tool."""
+    functions: dict[str, _Function] = {}
     for tool in tools:
         name = tool.function.name
         if tool.type != "function":
@@ -75,7 +86,7 @@ def _functions(tools: list[Any]) -> dict[str, dict[str, Any]]:
         if not _NAME.fullmatch(name) or name in functions:
             message = f"tool names must be unique, 1-64 of a-z, A-Z, 0-9, _ and -: {name!r}"
             raise ApiError(400, message, param="tools")
-        functions[name] = tool.function.parameters or _EMPTY
+        functions[name] = _Function(tool.function.parameters or _EMPTY, bool(tool.function.strict))
     return functions
 
 
@@ -88,26 +99,27 @@ def _auto_refused(by_default: bool, renders_tools: bool) -> str:
     return f'{said}, which is not supported: {why}; use "required", a named function or "none"'
 
 
-def _closed(schema: dict[str, Any]) -> dict[str, Any]:
-    """The schema closed, compact whatever its ``x-guidance`` says (the parser reads it)."""
-    return {**close_objects(schema), "x-guidance": COMPACT}
+def _prepared(function: _Function, options: JsonOptions) -> dict[str, Any]:
+    """The parameters schema as it compiles, with the options' whitespace whatever its own
+    ``x-guidance`` says (the call's framing around it is fixed text)."""
+    return {**options.prepare(function.parameters, function.strict), "x-guidance": options.guidance}
 
 
-def _arguments_grammar(parameters: dict[str, Any]) -> str:
+def _arguments_grammar(function: _Function, options: JsonOptions) -> str:
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(_closed(parameters))
+        return llguidance.LLMatcher.grammar_from_json_schema(_prepared(function, options))
     except ValueError as exc:
         raise ApiError(400, f"invalid parameters schema: {exc}", param="tools") from None
 
 
-def _calls_grammar(functions: dict[str, dict[str, Any]], parallel: bool) -> str:
+def _calls_grammar(functions: dict[str, _Function], parallel: bool, options: JsonOptions) -> str:
     """Lark: an array of calls, each the literal head of one function then its arguments."""
     lines = ['start: "[" call ("," call)* "]"' if parallel else 'start: "[" call "]"']
     lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(functions))))
-    for i, (name, parameters) in enumerate(functions.items()):
+    for i, (name, function) in enumerate(functions.items()):
         head = json.dumps('{"name":' + json.dumps(name) + ',"arguments":')
         lines.append(f'call_{i}: {head} args_{i} "}}"')
-        lines.append(f"args_{i}: %json {json.dumps(_closed(parameters))}")
+        lines.append(f"args_{i}: %json {json.dumps(_prepared(function, options))}")
     return llguidance.LLMatcher.grammar_from_lark("\n".join(lines) + "\n")
 
 

@@ -23,7 +23,13 @@ COMMANDS = [
     "sweep_watermark",
     "options_table",
 ]
-BENCH_COMMANDS = ["bench_forward", "bench_scheduler", "bench_serve", "bench_tp"]
+BENCH_COMMANDS = [
+    "bench_forward",
+    "bench_scheduler",
+    "bench_serve",
+    "bench_structured_clients",
+    "bench_tp",
+]
 
 
 class UserError(Exception):
@@ -36,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         _register(name, sub)
-    bench = sub.add_parser("bench", help="benchmarks: forward, scheduler, serve")
+    bench = sub.add_parser(
+        "bench", help="benchmarks: forward, scheduler, serve, structured-clients, tp"
+    )
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     for name in BENCH_COMMANDS:
         _register(name, bench_sub)

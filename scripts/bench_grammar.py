@@ -21,11 +21,10 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's packages
 
-import llguidance  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from frontend.json_schema import COMPACT  # noqa: E402
+from frontend.json_schema import JsonOptions  # noqa: E402
 from models.files import resolve_model  # noqa: E402
 from models.tokenizer import load_tokenizer  # noqa: E402
 from nanoserve.bench.structured import SCHEMA  # noqa: E402
@@ -94,11 +93,10 @@ def main() -> None:
     for i in range(args.repeats):
         schema = {**SCHEMA, "description": f"run {i}"}  # a new grammar each time: no cache
         began = time.perf_counter()
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT)
-        backend.matcher(grammar)
+        backend.matcher(JsonOptions().grammar(schema))
         compiles.append(time.perf_counter() - began)
     print(f"compile of bench_structured.SCHEMA: {statistics.median(compiles) * 1e3:.2f} ms median")
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults=COMPACT)
+    grammar = JsonOptions().grammar(SCHEMA)
     for rows in (1, 32):
         times = walk(backend, grammar, rows, args.tokens, seed=rows)
         per_token = [t / rows * 1e6 for t in times]

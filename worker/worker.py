@@ -67,6 +67,10 @@ class Worker:
         self.files, self.spec, self.shard = loaded.files, loaded.spec, loaded.shard
         self.model, self.q4_linears = loaded.model, loaded.q4_linears
         self.eos_token_ids, self.max_model_len = loaded.eos_token_ids, loaded.max_model_len
+        # The grammar engine builds in a thread of its own meanwhile; only the leader samples.
+        self.grammar = grammar_masks(
+            self.files, self.spec.vocab_size, self.eos_token_ids, eager=group.leader
+        )
         self.num_threads = self.plan.threads
         torch.set_num_threads(self.num_threads)
         self.threads = ThreadGovernor(self.num_threads if self.plan.adapt_threads else 1)
@@ -87,7 +91,6 @@ class Worker:
             block_size=config.block_size,
         )
         self.sampler = Sampler(self.eos_token_ids, self.plan.argmax)
-        self.grammar = grammar_masks(self.files, self.spec.vocab_size, self.eos_token_ids)
         self.compiled = None
         self.compile_job: BackgroundCompile | None = None
         if self.plan.compile == "inductor":
@@ -95,6 +98,8 @@ class Worker:
         self._in_step = False
         self._step_ended = time.monotonic()
         self.cache.populate(self.compile_job.wait if self.compile_job else None, self._busy)
+        self.grammar.wait_built()  # before the worker announces itself: no step waits for it
+        self.grammar.wait_built()  # before the worker announces itself: no step waits for it
 
     @property
     def decode_path(self) -> str:

@@ -1,11 +1,14 @@
 """Structured outputs end to end: the real default model behind the three real processes, asked
 through the official openai client. Pydantic models parse on every prompt at temperature 0 and
-1; regex, choice, Lark and EBNF replies match at temperature 1; bad specs get 400s and leave the
-server healthy. (Tool calls and the sampling options: test_tool_calls.py.)"""
+1; regex, choice, Lark and EBNF replies match at temperature 1; the reported extraction gets
+exactly its model's properties, unless the schema or the request opens its objects; bad specs
+get 400s and leave the server healthy. (Tool calls and the sampling options:
+test_tool_calls.py; the clients people use: test_structured_clients.py.)"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from enum import Enum
 from typing import Annotated
@@ -147,6 +150,51 @@ async def test_regex_choice_and_grammars_match_at_temperature_1(server):
             assert pattern.fullmatch(choice.message.content), (pattern, choice.message.content)
         if pattern.pattern != "|".join(MOODS):
             assert len({c.message.content for c in replies}) > 5, "temperature 1 should vary"
+
+
+# The extraction a client reported: with open objects, the model added a "description" it
+# never ended, until max_tokens.
+TICKET_PROMPT = "Make a ticket: typo in the footer copyright year, fix whenever."
+
+
+async def test_the_reported_ticket_gets_exactly_its_fields_unless_objects_are_open(server):
+    """instructor's JSON_SCHEMA request (a json_schema, not strict), greedy, max_tokens 200:
+    exactly the model's three properties, whole. The schema's own additionalProperties: true,
+    or the request's disable_additional_properties: false (the permissive behaviour), let the
+    model add a property the model never named, as it did before objects were closed."""
+    from nanoserve.bench.structured_cases import Ticket
+
+    schema = Ticket.model_json_schema()
+    fmt = {"type": "json_schema", "json_schema": {"name": "Ticket", "schema": schema}}
+    opened = {
+        **fmt,
+        "json_schema": {"name": "Ticket", "schema": {**schema, "additionalProperties": True}},
+    }
+    permissive = {"structured_outputs": {"disable_additional_properties": False}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": TICKET_PROMPT}],
+        "temperature": 0,
+        "max_tokens": 200,
+    }
+    bodies = [
+        {**body, "response_format": fmt},
+        {**body, "response_format": opened},
+        {**body, "response_format": fmt, **permissive},
+    ]
+    async with aiohttp.ClientSession() as session:
+
+        async def post(payload: dict) -> dict:
+            async with session.post(server.url + "/v1/chat/completions", json=payload) as response:
+                assert response.status == 200
+                return (await response.json())["choices"][0]
+
+        closed, *open_replies = await asyncio.gather(*(post(b) for b in bodies))
+    assert closed["finish_reason"] == "stop"
+    assert set(json.loads(closed["message"]["content"])) == {"title", "priority", "tags"}
+    for choice in open_replies:
+        keys = set(re.findall(r'"([A-Za-z_]+)":', choice["message"]["content"]))
+        assert keys - {"title", "priority", "tags"}, choice["message"]["content"]
 
 
 TOOL = {

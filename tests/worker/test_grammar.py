@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 
 import llguidance
 import pytest
@@ -18,6 +19,8 @@ from scheduler.engine import Engine
 from tests.tiny_model import write_byte_tokenizer
 from tests.worker.conftest import make_worker
 from tests.worker.driver import Driver, Request
+from worker.grammar import GrammarMasks
+from worker.rows import Row
 
 EOS = 2
 EMAIL = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
@@ -114,12 +117,70 @@ def test_the_grammar_wins_over_min_tokens(worker):
 
 
 def test_no_mask_work_without_a_grammar(tiny_dir):
-    """Unconstrained steps never build the backend nor start a fill. A model without a
-    tokenizer cannot enforce a grammar: its constrained requests end at once with EOS."""
+    """Unconstrained steps never start a fill. A model without a tokenizer cannot enforce a
+    grammar (its start says so): its constrained requests end at once with EOS."""
     bare = make_worker(tiny_dir)  # no tokenizer.json
+    assert "tokenizer.json" in bare.grammar.unavailable
+    fills = []
+    fill = bare.grammar._fill
+    bare.grammar._fill = lambda rows, bitmask: fills.append(len(rows)) or fill(rows, bitmask)
     Driver(bare).run([Request("free", PROMPTS[0], 5, SamplingParams(temperature=1.0, seed=3))])
-    assert bare.grammar._backend is None and bare.grammar._unavailable is None
+    assert fills == []
     bound = Request("bound", PROMPTS[0], 5, SamplingParams(grammar='start: "a"'))
     Driver(bare).run([bound])
-    assert bound.output == [EOS]
-    assert "tokenizer.json" in bare.grammar._unavailable
+    assert bound.output == [EOS] and fills == [1]
+
+
+def test_the_backend_is_built_before_the_worker_is(worker):
+    """The worker returns from its start with the backend built: no step waits for it."""
+    assert worker.grammar._backend is not None and worker.grammar.unavailable is None
+    assert worker.grammar.wait_built(timeout=0)
+
+
+def test_the_first_constrained_fill_waits_for_an_eager_build_only(worker):
+    """While an eager build runs, the first fill waits behind it (then masks as usual); an
+    unconstrained step starts no fill at all. A lazy one (a rank that never samples) builds
+    nothing until a constrained row comes."""
+    release, built = threading.Event(), []
+
+    def load():
+        release.wait(30)
+        built.append(True)
+        return worker.grammar._backend
+
+    eos = [EOS]
+    eager = GrammarMasks(load, worker.spec.vocab_size, eos, eager=True)
+    assert not eager.wait_built(timeout=0.05)
+    rows = [_row(llguidance.grammar_from("regex", "ab"))]
+    assert eager.start([_row(None)]) is None
+    pending = eager.start(rows)
+    assert not pending._filled.done()
+    release.set()
+    assert eager.wait_built(timeout=30) and built == [True]
+    allowed = pending.allowed()[0].nonzero().flatten().tolist()
+    assert allowed == [ord("a")]
+    lazy = GrammarMasks(load, worker.spec.vocab_size, eos)
+    assert lazy.wait_built(timeout=0) and built == [True]
+    lazy.start(rows).allowed()
+    assert built == [True, True]
+
+
+def _row(grammar: str | None) -> Row:
+    """A row at the start of its reply (byte tokens: "a" is id 97)."""
+    return Row(params=SamplingParams(grammar=grammar), prompt_len=1, history=[1])
+
+
+@pytest.mark.slow
+def test_a_gguf_vocabulary_is_read_once_then_from_the_cache(tmp_path, monkeypatch):
+    """The default GGUF's tokenizer JSON is written whole on first use and read back after."""
+    from models.files import resolve_model
+    from worker.grammar import vocabulary
+
+    cached = tmp_path / "tokenizers" / "model.json"
+    monkeypatch.setattr(vocabulary, "_cached_path", lambda files: cached)
+    files = resolve_model(None)
+    first = vocabulary.tokenizer_json(files)
+    assert json.loads(first)["model"]["type"] == "BPE" and cached.read_text() == first
+    assert list(cached.parent.iterdir()) == [cached]  # no staging file left behind
+    monkeypatch.setattr(vocabulary, "load_tokenizer", lambda files: pytest.fail("read again"))
+    assert vocabulary.tokenizer_json(files) == first

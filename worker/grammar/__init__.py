@@ -2,9 +2,12 @@
 
 - ``base``: ``GrammarBackend`` and ``Matcher``, the operations an engine provides;
 - ``llguidance_backend``: ``LLGuidanceBackend``, the one engine (why: docs/performance.md);
-- ``masks``: ``GrammarMasks``, each row's matcher and the masks of one step's sampled rows.
+- ``masks``: ``GrammarMasks``, each row's matcher and the masks of one step's sampled rows;
+- ``vocabulary``: ``tokenizer_json``, the vocabulary the backend reads (cached for a GGUF).
 
-The worker calls ``grammar_masks`` once, at start; the backend itself is built on first need.
+The worker calls ``grammar_masks`` once, at start, and its leader builds the backend then, in
+the mask thread, beside the rest of its start (``GrammarMasks.wait_built``): no step waits for
+it.
 """
 
 from __future__ import annotations
@@ -16,14 +19,16 @@ from worker.grammar.masks import GrammarMasks, PendingMasks
 __all__ = ["GrammarBackend", "GrammarMasks", "Matcher", "PendingMasks", "grammar_masks"]
 
 
-def grammar_masks(files: ModelFiles, vocab_size: int, eos_token_ids: list[int]) -> GrammarMasks:
-    """Masks over the model's own tokenizer, the one the frontend validates grammars with."""
+def grammar_masks(
+    files: ModelFiles, vocab_size: int, eos_token_ids: list[int], eager: bool = True
+) -> GrammarMasks:
+    """Masks over the model's own tokenizer, the one the frontend validates grammars with;
+    ``eager``: build the backend now (a rank that never samples builds none)."""
 
     def load() -> GrammarBackend:
-        from models.tokenizer import load_tokenizer
         from worker.grammar.llguidance_backend import LLGuidanceBackend
+        from worker.grammar.vocabulary import tokenizer_json
 
-        tokenizer = load_tokenizer(files).tokenizer
-        return LLGuidanceBackend(tokenizer.to_str(), vocab_size, list(eos_token_ids))
+        return LLGuidanceBackend(tokenizer_json(files), vocab_size, list(eos_token_ids))
 
-    return GrammarMasks(load, vocab_size, list(eos_token_ids))
+    return GrammarMasks(load, vocab_size, list(eos_token_ids), eager=eager)

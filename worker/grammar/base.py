@@ -1,7 +1,7 @@
 """``GrammarBackend``: the operations every grammar engine provides to the worker.
 
-A backend is built once, on the first request that brings a grammar (``worker.grammar.masks``
-builds it in its own thread), and nothing else asks which one it has:
+A backend is built once, as the worker starts (``worker.grammar.masks`` builds it in its own
+thread), and nothing else asks which one it has:
 
 - ``matcher``: a fresh matcher for one grammar string (``SamplingParams.grammar``);
 - ``fill``: the token masks of several matchers, each into one row of a bitmask.

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as WaitTimeout
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,11 +82,13 @@ class PendingMasks:
 
 
 class GrammarMasks:
-    """Builds the backend on first need, keeps each row's matcher, fills and applies masks.
+    """Builds the backend, keeps each row's matcher, fills and applies masks.
 
-    ``load_backend`` builds the grammar backend for the model's vocabulary; it runs once, in the
-    mask thread, when the first constrained row is sampled. If it fails (a model without a
-    tokenizer), constrained rows may only take EOS: they end at once, and the log says why.
+    ``load_backend`` builds the grammar backend for the model's vocabulary (seconds: it reads
+    the tokenizer). With ``eager`` it starts at once, in the mask thread, so that it is ready
+    before the first constrained step (``wait_built``); otherwise on the first constrained
+    row. If it fails (a model without a tokenizer), constrained rows may only take EOS: they end
+    at once, and the log says why.
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class GrammarMasks:
         load_backend: Callable[[], GrammarBackend],
         vocab_size: int,
         eos_token_ids: list[int],
+        eager: bool = False,
     ) -> None:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
@@ -101,6 +105,23 @@ class GrammarMasks:
         self._backend: GrammarBackend | None = None
         self._unavailable: str | None = None  # why no backend could be built
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._built: Future | None = self._thread.submit(self._build_backend) if eager else None
+
+    def wait_built(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout`` seconds) for an eager build; whether the backend is
+        built (or could not be: ``unavailable``). True at once without an eager build."""
+        if self._built is None:
+            return True
+        try:
+            self._built.result(timeout)
+        except WaitTimeout:
+            return False
+        return True
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why grammars cannot be enforced (None while they can, or before a build)."""
+        return self._unavailable
 
     def start(self, rows: list[Row]) -> PendingMasks | None:
         """Begin filling the masks of the constrained rows among ``rows`` (a step's sampled
@@ -137,13 +158,17 @@ class GrammarMasks:
         return state.matcher
 
     def _build_backend(self) -> GrammarBackend | None:
+        """In the mask thread (the first task of an eager one)."""
         if self._unavailable is not None:
             return None
+        began = time.perf_counter()
         try:
             self._backend = self._load_backend()
         except Exception as exc:  # noqa: BLE001 - any failure leaves grammars unenforceable
             self._unavailable = f"{type(exc).__name__}: {exc}"
-            log.error("grammars cannot be enforced (%s): their requests end at once", exc)
+            log.warning("grammars cannot be enforced (%s): their requests end at once", exc)
             return None
-        log.info("grammars: %s over %d tokens", self._backend.name, self.vocab_size)
+        seconds = time.perf_counter() - began
+        name = self._backend.name
+        log.info("grammars: %s over %d tokens, built in %.2f s", name, self.vocab_size, seconds)
         return self._backend
