@@ -23,6 +23,7 @@ import torch
 from worker.config import WorkerConfig
 from worker.cpu import kernels
 from worker.cpu.machine import usable_cpus
+from worker.plan_attention import attention_choice, kv_dtype_choice
 
 # What /proc/cpuinfo calls the instructions that compute in bfloat16 natively.
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -182,14 +183,14 @@ def resolve(
     own = cpu_fast and kernels.available()  # the AVX-512 kernels (bfloat16, argmax)
     own_f32 = cpu_fast and kernels.loaded()  # the AVX2 ones (float32)
     auto_f32 = config.dtype == "auto" and dtype == "float32"
-    attention, prefill = _attention(own, own_f32, dtype, head_dim, n_heads, n_kv_heads)
+    attention, prefill = attention_choice(own, own_f32, dtype, head_dim, n_heads, n_kv_heads)
     pointwise = "kernel" if own and dtype == "bfloat16" else "torch"
     if auto_f32 and own_f32:
         pointwise = "kernel-f32"
     return Plan(
         device=device,
         dtype=dtype,
-        kv_dtype=_kv_dtype(config, dtype, attention),
+        kv_dtype=kv_dtype_choice(config, dtype, attention),
         kv_pool="host" if device == "cpu" else "device",
         attention=attention,
         prefill=prefill,
@@ -202,35 +203,6 @@ def resolve(
         threads=resolve_threads(config, local_size),
         adapt_threads=config.adapt_threads and device == "cpu" and group_size == 1,
     )
-
-
-def _attention(own: bool, own_f32: bool, dtype: str, head_dim: int, n_heads: int, n_kv: int):
-    """(backend, prefill): nanoserve's CPU kernels where they are built and take these heads."""
-    if n_heads % n_kv:
-        return "torch", "sdpa"
-    group, ops = n_heads // n_kv, torch.ops.nanoserve
-    if dtype == "float32" and own_f32 and ops.decode_attention_f32_supports(head_dim, group):
-        fits = ops.prefill_attention_f32_supports(head_dim)
-        return "cpu-f32", "kernel" if fits else "sdpa"
-    if dtype == "bfloat16" and own and ops.decode_attention_supports(head_dim, group):
-        fits = kernels.uses_bf16() and ops.prefill_attention_supports(head_dim, group)
-        return "cpu-bf16", "kernel" if fits else "sdpa"
-    return "torch", "sdpa"
-
-
-def _kv_dtype(config: WorkerConfig, dtype: str, attention: str) -> str:
-    """The pool's dtype: the model's, or float16 under a float32 model whose attention is the
-    AVX2 kernel (it widens float16 as it reads; the default under ``auto``'s float32)."""
-    wanted = config.kv_cache_dtype
-    half_ok = attention == "cpu-f32"
-    if wanted == "auto":
-        return "float16" if half_ok and config.dtype == "auto" else dtype
-    if wanted != dtype and not (wanted == "float16" and half_ok):
-        raise ValueError(
-            f"kv_cache_dtype {wanted} needs a {wanted} model, or float16 a float32 one on a "
-            f"CPU with AVX2 and F16C (this worker: {dtype}, attention {attention})"
-        )
-    return wanted
 
 
 def _linears(

@@ -181,7 +181,7 @@ CAPABILITY = re.compile(
     r"|\.dtype\s*[!=]=|dtype\s*==\s*torch\.|\bdevice\s*[!=]=|\.type\s*==\s*\"(cpu|cuda)\""
     r"|_is_mkldnn_bf16_supported"
 )
-ALLOWED = {"worker/plan.py", "worker/cpu/kernels.py"}
+ALLOWED = {"worker/plan.py", "worker/plan_attention.py", "worker/cpu/kernels.py"}
 
 
 def capability_checks(text: str) -> list[str]:
