@@ -9,7 +9,7 @@ The worker logs the plan, announces it in ``WorkerReady`` (``summary``), and /me
 web page show it.
 
 Adding a backend is one more value of one field and one entry in the table that builds it: CUDA
-runs the generic plan (torch attention, plain weights) today.
+runs Triton's attention where triton imports, and plain weights.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from worker.config import WorkerConfig
 from worker.cpu import kernels
 from worker.cpu.machine import usable_cpus
-from worker.plan_attention import attention_choice, kv_dtype_choice
+from worker.plan_attention import attention_choice, kv_dtype_choice, triton_runs
 
 # What /proc/cpuinfo calls the instructions that compute in bfloat16 natively.
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -74,8 +74,8 @@ class Plan:
     dtype: str  # what the model computes in: "float32" | "bfloat16"
     kv_dtype: str  # the K/V pool's: the model's, or "float16" under a CPU kernel's float32
     kv_pool: str  # "host": mapped, backed behind serving | "device": zeroed at start
-    attention: str  # "torch" | "cpu-bf16" | "cpu-f32"
-    prefill: str  # "sdpa" | "kernel": how a CPU backend's prefills attend
+    attention: str  # "torch" | "cpu-bf16" | "cpu-f32" | "triton"
+    prefill: str  # "sdpa" | "kernel": how a kernel backend's prefills attend
     linears: dict[str, LinearPlan]  # LINEAR_KINDS -> method
     norm: str  # "torch" | "kernel" (bfloat16) | "kernel-f32"
     activation: str  # the SwiGLU's silu(gate) * up: "torch" | "kernel" | "kernel-f32"
@@ -91,8 +91,16 @@ class Plan:
 
     def load_kernels(self) -> None:
         """Load nanoserve's CPU kernels if the plan runs any (a plan handed over, not resolved
-        here, has not loaded them); ValueError where they cannot be."""
-        uses = any(n.startswith(("cpu-", "kernel", "q4", "w4a8")) for n in self.summary().values())
+        here, has not loaded them); ValueError where they, or Triton's attention, cannot run."""
+        choices = self.summary()
+        if self.attention == "triton":  # its prefill "kernel" is Triton's, not a C++ one
+            del choices["prefill"]
+            if not triton_runs(self.device):
+                raise ValueError(
+                    f"the plan's Triton attention cannot run on {self.device} here (triton "
+                    "missing, or on CPU without TRITON_INTERPRET=1)"
+                )
+        uses = any(n.startswith(("cpu-", "kernel", "q4", "w4a8")) for n in choices.values())
         if uses and not kernels.loaded():
             raise ValueError("the plan runs nanoserve's CPU kernels, which are not built here")
 
@@ -183,7 +191,8 @@ def resolve(
     own = cpu_fast and kernels.available()  # the AVX-512 kernels (bfloat16, argmax)
     own_f32 = cpu_fast and kernels.loaded()  # the AVX2 ones (float32)
     auto_f32 = config.dtype == "auto" and dtype == "float32"
-    attention, prefill = attention_choice(own, own_f32, dtype, head_dim, n_heads, n_kv_heads)
+    gpu = device == "cuda" and not config.generic_path
+    attention, prefill = attention_choice(own, own_f32, gpu, dtype, head_dim, n_heads, n_kv_heads)
     pointwise = "kernel" if own and dtype == "bfloat16" else "torch"
     if auto_f32 and own_f32:
         pointwise = "kernel-f32"

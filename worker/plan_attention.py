@@ -1,8 +1,8 @@
 """The plan's attention choices (``worker.plan.resolve``): the backend, how its prefills attend,
-and the K/V pool's dtype, from the dtype, the heads and what this machine runs.
+and the K/V pool's dtype, from the device, the dtype, the heads and what this machine runs.
 
-Part of the plan, so it may ask the machine which of nanoserve's CPU kernels are built and take
-these heads.
+Part of the plan, so it may ask the machine: whether Triton runs here (``triton_runs``), and
+which of nanoserve's CPU kernels are built and take these heads.
 """
 
 from __future__ import annotations
@@ -13,13 +13,26 @@ from worker.config import WorkerConfig
 from worker.cpu import kernels
 
 
+def triton_runs(device: str) -> bool:
+    """Whether Triton's kernels run on ``device``: triton imports, and it is a GPU, or Triton
+    interprets them on CPU tensors (``TRITON_INTERPRET=1``, as the tests run them)."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    return device == "cuda" or triton.knobs.runtime.interpret
+
+
 def attention_choice(
-    own: bool, own_f32: bool, dtype: str, head_dim: int, n_heads: int, n_kv: int
+    own: bool, own_f32: bool, gpu: bool, dtype: str, head_dim: int, n_heads: int, n_kv: int
 ) -> tuple[str, str]:
-    """(backend, prefill): nanoserve's CPU kernels where they are built (``own``: the AVX-512
+    """(backend, prefill): on a GPU off the generic path (``gpu``), nanoserve's Triton kernels
+    where triton imports; on CPU, its C++ kernels where they are built (``own``: the AVX-512
     ones, ``own_f32``: the AVX2 ones) and take these heads; else plain torch."""
     if n_heads % n_kv:
         return "torch", "sdpa"
+    if gpu:
+        return ("triton", "kernel") if triton_runs("cuda") else ("torch", "sdpa")
     group, ops = n_heads // n_kv, torch.ops.nanoserve
     if dtype == "float32" and own_f32 and ops.decode_attention_f32_supports(head_dim, group):
         fits = ops.prefill_attention_f32_supports(head_dim)
