@@ -18,6 +18,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +41,7 @@ from worker.attention import AttentionMetadata, DecodeRows, TorchBackend  # noqa
 
 pytest.importorskip("triton")
 
+ROOT = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 40  # the pool's blocks; one more, the trash block, follows them
 # Each dtype's tolerance against float64: float32's sums, or one unit in the last place of a
 # 16-bit output (the interpreter rounds float32 to bfloat16 by truncation, a GPU to nearest).
@@ -347,3 +351,18 @@ def test_the_metadata_tables_every_prefill_span_only_when_asked():
     # begin, length, start, then the blocks of [0, start + length), padded with the first
     assert table.tolist() == [[0, 5, 0, 3, 4, 3], [6, 5, 4, 9, 1, 2]]
     assert (batched.prefill_batch.longest, batched.prefill_batch.tokens) == (5, 10)
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the benchmark runs")
+def test_the_benchmark_says_in_one_line_that_it_needs_a_gpu():
+    """``scripts/bench_attention.py`` times the two backends on CUDA; on CPU it refuses."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_attention.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs a CUDA GPU" in lines[0], done.stderr
