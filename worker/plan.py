@@ -9,7 +9,7 @@ The worker logs the plan, announces it in ``WorkerReady`` (``summary``), and /me
 web page show it.
 
 Adding a backend is one more value of one field and one entry in the table that builds it: CUDA
-runs the generic plan (torch attention, plain weights) today.
+runs Triton's attention where triton imports, and plain weights.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from worker.config import WorkerConfig
 from worker.cpu import kernels
 from worker.cpu.machine import usable_cpus
+from worker.plan_attention import attention_choice, kv_dtype_choice, triton_runs
 
 # What /proc/cpuinfo calls the instructions that compute in bfloat16 natively.
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -73,8 +74,8 @@ class Plan:
     dtype: str  # what the model computes in: "float32" | "bfloat16"
     kv_dtype: str  # the K/V pool's: the model's, or "float16" under a CPU kernel's float32
     kv_pool: str  # "host": mapped, backed behind serving | "device": zeroed at start
-    attention: str  # "torch" | "cpu-bf16" | "cpu-f32"
-    prefill: str  # "sdpa" | "kernel": how a CPU backend's prefills attend
+    attention: str  # "torch" | "cpu-bf16" | "cpu-f32" | "triton"
+    prefill: str  # "sdpa" | "kernel": how a kernel backend's prefills attend
     linears: dict[str, LinearPlan]  # LINEAR_KINDS -> method
     norm: str  # "torch" | "kernel" (bfloat16) | "kernel-f32"
     activation: str  # the SwiGLU's silu(gate) * up: "torch" | "kernel" | "kernel-f32"
@@ -90,8 +91,16 @@ class Plan:
 
     def load_kernels(self) -> None:
         """Load nanoserve's CPU kernels if the plan runs any (a plan handed over, not resolved
-        here, has not loaded them); ValueError where they cannot be."""
-        uses = any(n.startswith(("cpu-", "kernel", "q4", "w4a8")) for n in self.summary().values())
+        here, has not loaded them); ValueError where they, or Triton's attention, cannot run."""
+        choices = self.summary()
+        if self.attention == "triton":  # its prefill "kernel" is Triton's, not a C++ one
+            del choices["prefill"]
+            if not triton_runs(self.device):
+                raise ValueError(
+                    f"the plan's Triton attention cannot run on {self.device} here (triton "
+                    "missing, or on CPU without TRITON_INTERPRET=1)"
+                )
+        uses = any(n.startswith(("cpu-", "kernel", "q4", "w4a8")) for n in choices.values())
         if uses and not kernels.loaded():
             raise ValueError("the plan runs nanoserve's CPU kernels, which are not built here")
 
@@ -182,14 +191,15 @@ def resolve(
     own = cpu_fast and kernels.available()  # the AVX-512 kernels (bfloat16, argmax)
     own_f32 = cpu_fast and kernels.loaded()  # the AVX2 ones (float32)
     auto_f32 = config.dtype == "auto" and dtype == "float32"
-    attention, prefill = _attention(own, own_f32, dtype, head_dim, n_heads, n_kv_heads)
+    gpu = device == "cuda" and not config.generic_path
+    attention, prefill = attention_choice(own, own_f32, gpu, dtype, head_dim, n_heads, n_kv_heads)
     pointwise = "kernel" if own and dtype == "bfloat16" else "torch"
     if auto_f32 and own_f32:
         pointwise = "kernel-f32"
     return Plan(
         device=device,
         dtype=dtype,
-        kv_dtype=_kv_dtype(config, dtype, attention),
+        kv_dtype=kv_dtype_choice(config, dtype, attention),
         kv_pool="host" if device == "cpu" else "device",
         attention=attention,
         prefill=prefill,
@@ -202,35 +212,6 @@ def resolve(
         threads=resolve_threads(config, local_size),
         adapt_threads=config.adapt_threads and device == "cpu" and group_size == 1,
     )
-
-
-def _attention(own: bool, own_f32: bool, dtype: str, head_dim: int, n_heads: int, n_kv: int):
-    """(backend, prefill): nanoserve's CPU kernels where they are built and take these heads."""
-    if n_heads % n_kv:
-        return "torch", "sdpa"
-    group, ops = n_heads // n_kv, torch.ops.nanoserve
-    if dtype == "float32" and own_f32 and ops.decode_attention_f32_supports(head_dim, group):
-        fits = ops.prefill_attention_f32_supports(head_dim)
-        return "cpu-f32", "kernel" if fits else "sdpa"
-    if dtype == "bfloat16" and own and ops.decode_attention_supports(head_dim, group):
-        fits = kernels.uses_bf16() and ops.prefill_attention_supports(head_dim, group)
-        return "cpu-bf16", "kernel" if fits else "sdpa"
-    return "torch", "sdpa"
-
-
-def _kv_dtype(config: WorkerConfig, dtype: str, attention: str) -> str:
-    """The pool's dtype: the model's, or float16 under a float32 model whose attention is the
-    AVX2 kernel (it widens float16 as it reads; the default under ``auto``'s float32)."""
-    wanted = config.kv_cache_dtype
-    half_ok = attention == "cpu-f32"
-    if wanted == "auto":
-        return "float16" if half_ok and config.dtype == "auto" else dtype
-    if wanted != dtype and not (wanted == "float16" and half_ok):
-        raise ValueError(
-            f"kv_cache_dtype {wanted} needs a {wanted} model, or float16 a float32 one on a "
-            f"CPU with AVX2 and F16C (this worker: {dtype}, attention {attention})"
-        )
-    return wanted
 
 
 def _linears(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from tests.worker.conftest import make_worker
 from tests.worker.driver import Driver, Request
 from worker import plan as plan_module
+from worker import plan_attention
 from worker.config import WorkerConfig
 from worker.cpu import kernels
 from worker.plan import LINEAR_KINDS, LinearPlan, Plan, Q4Fact, resolve
@@ -150,6 +152,8 @@ def test_a_zen3_runs_autos_float32_on_avx2_kernels_and_q4a8(monkeypatch):
 
 
 def test_the_generic_path_cuda_and_tensor_parallel_ranks_keep_plain_weights(monkeypatch):
+    """CUDA runs the generic plan but for its attention: Triton's kernels (with triton
+    installed, as the test extra installs it)."""
     zen5 = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni")
     generic = _resolve(monkeypatch, flags=zen5, generic_path=True)
     assert (generic.attention, generic.argmax, generic.norm) == ("torch", "torch", "torch")
@@ -157,12 +161,40 @@ def test_the_generic_path_cuda_and_tensor_parallel_ranks_keep_plain_weights(monk
     assert generic.compile == "eager" and generic.kv_pool == "host"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
     cuda = _resolve(monkeypatch, flags=zen5, device="cuda")
+    assert (cuda.attention, cuda.prefill, cuda.kv_dtype) == ("triton", "kernel", "bfloat16")
     assert dataclasses.replace(cuda, kv_pool="host", device="cpu", threads=generic.threads,
-                               adapt_threads=generic.adapt_threads) == generic  # fmt: skip
+                               adapt_threads=generic.adapt_threads, attention="torch",
+                               prefill="sdpa") == generic  # fmt: skip
     assert cuda.kv_pool == "device" and not cuda.adapt_threads
     ranks = _resolve(monkeypatch, flags=zen5, group_size=2)
     assert all(choice.small is None for choice in ranks.linears.values())
     assert ranks.compile == "eager"
+
+
+def test_cuda_keeps_torchs_attention_without_triton_or_on_the_generic_path(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    generic = _resolve(monkeypatch, device="cuda", generic_path=True)
+    assert (generic.attention, generic.prefill) == ("torch", "sdpa")
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    without = _resolve(monkeypatch, device="cuda")
+    assert (without.attention, without.prefill) == ("torch", "sdpa")
+    # Query heads that do not group over the KV heads: torch's, triton or not.
+    assert plan_attention.attention_choice(False, False, True, "bfloat16", 64, 9, 2)[0] == "torch"
+
+
+def test_a_triton_plan_on_cpu_runs_only_under_the_interpreter(tiny_dir, monkeypatch):
+    """A handed-over plan naming Triton's attention on CPU is refused at start unless Triton
+    interprets its kernels; it needs no C++ kernel for its prefill "kernel"."""
+    generic = make_worker(tiny_dir, dtype="float32", generic_path=True).plan
+    plan = dataclasses.replace(generic, attention="triton", prefill="kernel")
+    monkeypatch.setattr(kernels, "loaded", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="Triton attention cannot run on cpu here"):
+        plan.load_kernels()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    plan.load_kernels()  # Triton interprets: no C++ kernel asked for
+    with pytest.raises(ValueError, match="not built here"):
+        dataclasses.replace(plan, argmax="kernel").load_kernels()
 
 
 def test_impossible_configs_are_refused(monkeypatch):
@@ -181,7 +213,7 @@ CAPABILITY = re.compile(
     r"|\.dtype\s*[!=]=|dtype\s*==\s*torch\.|\bdevice\s*[!=]=|\.type\s*==\s*\"(cpu|cuda)\""
     r"|_is_mkldnn_bf16_supported"
 )
-ALLOWED = {"worker/plan.py", "worker/cpu/kernels.py"}
+ALLOWED = {"worker/plan.py", "worker/plan_attention.py", "worker/cpu/kernels.py"}
 
 
 def capability_checks(text: str) -> list[str]:

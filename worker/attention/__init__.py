@@ -1,11 +1,16 @@
 """Paged attention over the ``KVCache``: one interface, one file per backend, chosen once.
 
 - ``base``: ``AttentionBackend``, the operations a backend provides;
-- ``metadata``: ``AttentionMetadata``, ``DecodeRows`` and ``PrefillSpan``, built once per step;
-- ``torch_backend``: ``TorchBackend``, plain torch (what CUDA runs, and the generic path);
+- ``metadata``: ``AttentionMetadata``, ``DecodeRows``, ``PrefillSpan`` and ``PrefillBatch``,
+  built once per step;
+- ``torch_backend``: ``TorchBackend``, plain torch (the reference, and the generic path on CPU
+  and CUDA alike);
 - ``cpu_kernel``: ``CpuKernelBackend``, what the two below share;
 - ``cpu_bf16``: ``CpuBf16Backend``, bfloat16 in nanoserve's own CPU operators;
-- ``cpu_f32``: ``CpuF32Backend``, float32 (over a float32 or float16 pool) in its AVX2 ones.
+- ``cpu_f32``: ``CpuF32Backend``, float32 (over a float32 or float16 pool) in its AVX2 ones;
+- ``triton_backend``: ``TritonBackend``, nanoserve's Triton kernels (``triton_kernels``), what
+  CUDA runs: imported only by a plan that names it, since importing Triton is slow and its
+  kernels are made interpreted or compiled when their module is imported (``TRITON_INTERPRET``).
 
 The worker calls ``make_backend`` once, at start, with its plan's choice (``worker.plan``);
 nothing else asks which backend it has.
@@ -35,12 +40,20 @@ __all__ = [
     "make_backend",
 ]
 
+
+def _triton(prefill_kernel: bool, **geometry) -> AttentionBackend:
+    from worker.attention.triton_backend import TritonBackend
+
+    return TritonBackend(prefill_kernel=prefill_kernel, **geometry)
+
+
 # The plan's attention choices (``Plan.attention``) -> what builds them from the geometry and
 # whether prefills take the backend's own kernel (``Plan.prefill``).
 BACKENDS: dict[str, Callable[..., AttentionBackend]] = {
     "torch": lambda prefill_kernel, **geometry: TorchBackend(**geometry),
     "cpu-bf16": CpuBf16Backend,
     "cpu-f32": CpuF32Backend,
+    "triton": _triton,
 }
 
 

@@ -79,7 +79,7 @@ class AttentionBackend(ABC):
         """One eager layer: write kv (T, 2, n_kv, hd) into ``layer`` at ``meta.write_index``,
         then attend; q (T, n_heads, hd) -> (T, n_heads, hd). K and V travel together: one write
         per layer instead of two."""
-        layer.index_copy_(2, meta.write_index, kv.permute(1, 2, 0, 3).to(layer.dtype))
+        self.write(kv, layer, meta)
         if not meta.prefills:
             return self.decode(q, kv, layer, meta.decodes, scratch)
         lone = meta.prefills[0]
@@ -93,6 +93,11 @@ class AttentionBackend(ABC):
         for span in meta.prefills:
             out[span.begin : span.end] = self.prefill(q, kv, layer, span)
         return out
+
+    def write(self, kv: torch.Tensor, layer: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Write the step's new kv (T, 2, n_kv, hd) into ``layer`` at ``meta.write_index``, in
+        one indexed copy (padding tokens into the trash block)."""
+        layer.index_copy_(2, meta.write_index, kv.permute(1, 2, 0, 3).to(layer.dtype))
 
     @abstractmethod
     def decode(

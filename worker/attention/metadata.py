@@ -9,6 +9,10 @@ Built with the cache's trash block, a step is padded to bucketed sizes (``worker
 padding tokens write their K/V into the trash block; decodes are padded with copies of the first
 decode, and every context length with masked positions. The real rows' numbers do not depend on
 the padding.
+
+``PrefillBatch`` is every prefill span of a step in one int32 table, for a backend whose kernel
+takes them all in one launch (``worker.attention.triton_backend``); only such a backend asks
+for it.
 """
 
 from __future__ import annotations
@@ -66,6 +70,30 @@ class PrefillSpan:
     # for a fresh prefill (start 0: plainly causal)
 
 
+class PrefillBatch(NamedTuple):
+    """Every prefill span of a step, one row each of ``table`` (P, 3 + M) int32: the span's
+    first batch position (``begin``), its new tokens (``length``), the positions it has cached
+    (``start``), then the block ids of positions [0, start + length), padded to M with the row's
+    first block. ``longest`` and ``tokens`` are known on the host: a kernel's grid and whether
+    the spans and decodes cover the whole step need no read of a device tensor."""
+
+    table: torch.Tensor
+    longest: int  # the longest span's new tokens
+    tokens: int  # every span's new tokens together
+
+    @classmethod
+    def of(cls, spans: list[tuple[list[int], int, int, int]], block_size: int, device: str):
+        """From ``(block_table, start, num_new, begin)`` per span."""
+        used = [blocks_for(start + n, block_size) for _, start, n, _ in spans]
+        width = max(used)
+        rows = [
+            [begin, n, start, *table[:u], *[table[0]] * (width - u)]
+            for (table, start, n, begin), u in zip(spans, used, strict=True)
+        ]
+        table = torch.tensor(rows, dtype=torch.int32).to(device)  # one copy to the device
+        return cls(table, max(n for _, _, n, _ in spans), sum(n for _, _, n, _ in spans))
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Where each new token's K/V goes and what each query attends to."""
@@ -76,6 +104,7 @@ class AttentionMetadata:
     decodes: DecodeRows
     prefills: list[PrefillSpan]
     num_tokens: int  # T: the real tokens, then the padding
+    prefill_batch: PrefillBatch | None = None  # the spans in one table, where the backend asks
 
     @classmethod
     def build(
@@ -87,10 +116,12 @@ class AttentionMetadata:
         dtype: torch.dtype,
         device: str,
         trash_block: int | None = None,
+        batch_prefills: bool = False,
     ) -> AttentionMetadata:
         """From ``(block_table, start, num_new)`` per item, in batch order; padded to bucketed
-        sizes when given the cache's ``trash_block``."""
-        write, decodes, prefills, offset = [], [], [], 0
+        sizes when given the cache's ``trash_block``; with ``batch_prefills``, the prefill spans
+        in one ``PrefillBatch`` too."""
+        write, decodes, prefills, spans, offset = [], [], [], [], 0
         for table, start, n in items:
             positions = range(start, start + n)
             write.extend(table[p // block_size] * block_size + p % block_size for p in positions)
@@ -98,6 +129,7 @@ class AttentionMetadata:
                 decodes.append((offset, table, start))
             else:
                 prefills.append(_prefill_span(table, start, n, offset, block_size, device))
+                spans.append((table, start, n, offset))
             offset += n
         num_tokens, real_decodes = offset, len(decodes)
         if trash_block is not None:
@@ -108,6 +140,7 @@ class AttentionMetadata:
         blocks, cached = _decode_tables(decodes, block_size, bucketed=trash_block is not None)
         rows = DecodeRows.of(blocks, cached, block_size, n_kv_heads, dtype)
         tokens = targets = None
+        batch = batch_prefills and bool(spans)
         if prefills:
             tokens = torch.tensor([d[0] for d in decodes], dtype=torch.long).to(device)
             targets = tokens[:real_decodes]
@@ -118,6 +151,7 @@ class AttentionMetadata:
             decodes=rows.to(device),
             prefills=prefills,
             num_tokens=num_tokens,
+            prefill_batch=PrefillBatch.of(spans, block_size, device) if batch else None,
         )
 
 

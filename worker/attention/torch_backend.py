@@ -1,4 +1,5 @@
-"""``TorchBackend``: attention in plain torch operators, the code CUDA runs.
+"""``TorchBackend``: attention in plain torch operators: the reference every other backend is
+tested against, and what the generic path runs (CPU or CUDA; CUDA's default is Triton's).
 
 Decodes gather their rows' blocks into one contiguous copy, put each row's new k/v at its
 position in that copy, and attend with two batched matmuls and a float32 softmax: the same code
