@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -138,3 +139,18 @@ def test_each_child_is_told_its_index_and_the_options():
     assert labels == ["frontend 1 of 2", "frontend 2 of 2"]
     with pytest.raises(ValueError, match="at least 2"):
         ApiServers(1, {})
+
+
+@pytest.mark.parametrize("servers", ["1", "2"])
+def test_a_port_held_by_another_program_is_a_one_line_exit_2(servers):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        command = [sys.executable, "-m", "nanoserve.cli", "frontend", "--port", str(port)]
+        command += ["--api-servers", servers, "--run-id", f"held{os.getpid()}", "--no-pin-cpu"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if "cannot listen" in line]
+    assert lines and f"on 127.0.0.1:{port}" in lines[0], done.stderr[-2000:]
+    assert "address already in use" in lines[0].lower()
