@@ -25,17 +25,16 @@ from nanoserve.bench.data import (
     build_workload,
 )
 from nanoserve.bench.metrics import (
-    SCRAPED,
     RequestResult,
     busy_delta,
     busy_ratio,
     cpu_us_per_token,
     mib,
     scheduler_ms_per_step,
-    scrape_counter,
     summarize,
     us_per_grammar_token,
 )
+from nanoserve.bench.scrape import Scrape, per_frontend, scrape_frontends
 from nanoserve.cli import UserError
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
@@ -290,6 +289,8 @@ class BenchServe:
             "grammar_apply_us_per_token": us_per_grammar_token(before, after, "grammar_mask_apply"),
             "frontend_cpu_us_per_token": cpu_us_per_token(before, after, "frontend_cpu", tokens),
             "scheduler_cpu_us_per_token": cpu_us_per_token(before, after, "scheduler_cpu", tokens),
+            "frontends": after.count if after.frontends else None,
+            "per_frontend": per_frontend(before, after),
         }
 
     async def _load(self, session: aiohttp.ClientSession, model: str) -> dict[str, object]:
@@ -369,18 +370,7 @@ class BenchServe:
         if not any(r.success for r in results):
             raise UserError(f"warmup request failed: {results[0].error}")
 
-    async def _scrape(self, session: aiohttp.ClientSession) -> dict[str, tuple[str, float]]:
-        """The ``SCRAPED`` metrics /metrics has (none when the server has no /metrics)."""
-        try:
-            url = f"{self.config.root_url}/metrics"
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
-                if resp.status != 200:
-                    return {}
-                text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return {}
-        try:
-            found = {fragment: scrape_counter(text, fragment) for fragment in SCRAPED}
-        except (ValueError, IndexError):
-            return {}
-        return {fragment: value for fragment, value in found.items() if value is not None}
+    async def _scrape(self, session: aiohttp.ClientSession) -> Scrape:
+        """The ``SCRAPED`` metrics /metrics has, every frontend's own summed (nothing when the
+        server has no /metrics)."""
+        return await scrape_frontends(session, f"{self.config.root_url}/metrics")
