@@ -4,8 +4,8 @@
     python scripts/frontend_cpu.py --api-servers 1 2 --concurrency 256
 
 It serves a tiny random-weight Llama with SmolLM2's vocabulary and tokenizer
-(``gpu_checkpoints.py``), so the worker's steps cost little and the tokens come as fast as the
-API side can carry them, as on a GPU; ``--model`` serves another. Each run is ``nanoserve bench
+(``gpu_checkpoints.py``), so that the worker's steps cost little beside a real model's while
+the API side detokenizes real text; ``--model`` serves another. Each run is ``nanoserve bench
 serve`` (64-token prompts, 128 output tokens, ignore_eos, greedy, streamed), which reads the
 CPU seconds of every frontend (``nanoserve:frontend_cpu_seconds_total``, summed over them) and
 of the scheduler (``nanoserve:scheduler_cpu_seconds_total``) from /metrics before and after.
