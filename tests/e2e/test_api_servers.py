@@ -16,14 +16,18 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
+import uuid
+from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
 
 from tests.faults.conftest import Stream, assert_pool_empty, stream_completion, wait_until
-from tests.servers import Server, start_server
+from tests.servers import Server, free_port, start_server
 from tests.tiny_model import make_tiny_llama, write_byte_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -242,3 +246,59 @@ async def test_a_sigkilled_frontend_fails_only_its_own_streams(server):
     restarted = await _each_frontend(server.url)
     assert int(_labels(restarted["0"])["pid"]) != victim_pid
     await assert_pool_empty(server)  # every block back; the audited scheduler still up
+
+
+def _tree(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (its children's children too), whichever of its threads
+    started them (the frontends' manager starts each from a thread of its own)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children += [int(c) for c in task.read_text().split()]
+        except FileNotFoundError:
+            continue
+    return [pid for child in children for pid in (child, *_tree(child))]
+
+
+def _command_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
+async def test_serve_starts_the_frontends_it_is_asked_for_and_stops_them_all(tmp_path):
+    model = write_byte_tokenizer(make_tiny_llama(tmp_path / "tiny"))
+    port = free_port()
+    command = [sys.executable, "-m", "nanoserve.cli", "serve", "--port", str(port)]
+    command += ["--model", str(model), "--api-servers", "2", "--threads", "1"]
+    command += ["--run-id", f"serve{uuid.uuid4().hex[:8]}"]
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        serve = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    tree: list[int] = []
+    try:
+        running = Server(port=port, run_id="", log_dir=tmp_path, env={})
+        running.processes["serve"] = serve
+        await _both_answer(running, timeout=120.0)
+        tree = _tree(serve.pid)
+        frontends = [p for p in tree if _command_of(p).endswith("nanoserve.cli frontend ")]
+        assert len(frontends) == 3, [_command_of(p) for p in tree]  # the manager and its two
+        serve.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(serve.wait, 60.0) == 0, log.read_text()[-3000:]
+        assert not [pid for pid in tree if _alive(pid)]
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+        for pid in tree:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
