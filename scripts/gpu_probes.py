@@ -144,6 +144,7 @@ class GpuUtilization:
         self.period = period
         self.samples: list[float] = []
         self.source: str | None = None
+        self.result: dict = {"mean_pct": None, "samples": 0, "source": None}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._smi: subprocess.Popen | None = None
@@ -170,6 +171,10 @@ class GpuUtilization:
 
     def stop(self) -> dict:
         """The mean and the number of samples (None without NVML or nvidia-smi)."""
+        self.result = self._stop_sampling()
+        return self.result
+
+    def _stop_sampling(self) -> dict:
         self._stop.set()
         if self._smi is not None:
             self._smi.terminate()

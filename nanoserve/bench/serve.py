@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import aiohttp
 
@@ -247,11 +248,21 @@ async def run_load(
     return list(results), time.perf_counter() - start
 
 
+class LoadWatch(Protocol):
+    """Something that measures the server's machine during the timed load only (the GPU
+    check's utilization sampler): ``start`` as the load begins, ``stop`` as it ends."""
+
+    def start(self) -> object: ...
+
+    def stop(self) -> object: ...
+
+
 class BenchServe:
     """One benchmark run against one server: warm up, scrape /metrics, load, scrape, report."""
 
-    def __init__(self, config: BenchServeConfig) -> None:
+    def __init__(self, config: BenchServeConfig, watch: LoadWatch | None = None) -> None:
         self.config = config
+        self.watch = watch
 
     async def run(self) -> dict[str, object]:
         """Run the benchmark; returns the JSON-ready report (run info plus ``summarize``)."""
@@ -269,7 +280,13 @@ class BenchServe:
             model = await self._model(session)
             await self._warmup(session, model)
             before, scraped_at = await self._scrape(session), time.perf_counter()
-            summary = await self._load(session, model)
+            if self.watch is not None:
+                self.watch.start()
+            try:
+                summary = await self._load(session, model)
+            finally:
+                if self.watch is not None:
+                    self.watch.stop()
             after = await self._scrape(session)
             scrape_wall = time.perf_counter() - scraped_at
         busy_before, busy_after = before.get("worker_busy"), after.get("worker_busy")
