@@ -97,6 +97,7 @@ def test_a_run_that_meets_every_bar_is_all_yes():
         (("speed levels", "levels", 1, "gpu_utilization_pct"), 69.0, "GPU utilization"),
         (("speed levels", "capture_log", 0), "captured in 31 s", "graph capture"),
         (("cuda tests", "ok"), False, "CUDA tests"),
+        (("cuda tests", "skipped"), 5, "CUDA tests"),  # every one skipped: no GPU seen
     ],
 )
 def test_each_bar_fires_on_its_own_miss(path, value, check):
