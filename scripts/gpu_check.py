@@ -42,7 +42,7 @@ sys.path.insert(1, str(REPO))
 
 import gpu_probes  # noqa: E402 - after the path setup above
 from compare_servers import Server, free_port  # noqa: E402
-from gpu_report import evaluate, format_report  # noqa: E402
+from gpu_report import evaluate, failed_checks, format_report  # noqa: E402
 
 PYTHON = sys.executable
 NAME = "check"  # the served model name
@@ -339,6 +339,7 @@ class Check:
 
     def finish(self) -> int:
         self.result["bars"] = evaluate(self.result)
+        self.result["failed"] = failed_checks(self.result)
         text = format_report(self.result)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "gpu_check.json").write_text(json.dumps(self.result, indent=1))
@@ -346,8 +347,7 @@ class Check:
         with tarfile.open(self.out / "logs.tar.gz", "w:gz") as archive:
             archive.add(self.logs, arcname="logs")
         print(text)
-        failed = [n for n, s in self.steps.items() if s.get("ok") is False]
-        return 1 if failed else 0
+        return 1 if self.result["failed"] else 0
 
 
 def _level(concurrency: int, report: dict, utilization: dict) -> dict:
