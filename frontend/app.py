@@ -9,6 +9,7 @@ lives in ``cleanup_ctx``, so it opens with the app and closes with it.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -65,6 +66,8 @@ def create_app(
     app[HANDLER] = handler
     app[MODEL_NAME] = model_name
     app[API_KEYS] = ApiKeys(config.api_keys)
+    frontend = {"index": config.api_server_index, "count": config.api_servers, "pid": os.getpid()}
+    metrics.frontend.info({key: str(value) for key, value in frontend.items()})
     app.cleanup_ctx.append(_scheduler_connection)
     app.router.add_post("/v1/completions", handler.completions)
     app.router.add_post("/v1/chat/completions", handler.chat_completions)

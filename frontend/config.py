@@ -23,6 +23,8 @@ class FrontendConfig:
     ``served_model_name`` is the name clients put in ``model`` (default: the model's id).
     ``scheduler_timeout``: silence after which in-flight requests fail and new ones get 503.
     ``stall_timeout``: /health turns 503 when requests run but no step finishes for this long.
+    ``api_servers`` processes share ``port`` (SO_REUSEPORT: the kernel spreads connections over
+    them), each one of these configs with its own ``api_server_index``.
     ``default_max_tokens`` caps ``max_tokens`` when a request leaves it out (None: fill up to
     the context length, as vLLM does).
     ``disable_any_whitespace`` and ``disable_additional_properties`` (vLLM's names; a request's
@@ -34,6 +36,14 @@ class FrontendConfig:
 
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address"})
     port: int = field(default=8000, metadata={"help": "HTTP port"})
+    api_servers: int = field(
+        default=1,
+        metadata={
+            "help": "frontend processes sharing the port (SO_REUSEPORT), each with its own "
+            "tokenizer; of two or more, a dead one is restarted"
+        },
+    )
+    api_server_index: int = 0  # which of them this process is (``nanoserve.api_servers``)
     model: str | None = None  # the option is WorkerConfig's: one model for both processes
     tokenizer: str | None = field(
         default=None,
@@ -101,6 +111,12 @@ class FrontendConfig:
     log_level: str = field(default="INFO", metadata={"help": "the log level"})
 
     @property
+    def reuse_port(self) -> bool:
+        """Whether the port is shared: only then, so that one frontend alone still fails when
+        another program holds its port."""
+        return self.api_servers > 1
+
+    @property
     def api_keys(self) -> tuple[str, ...]:
         """The keys ``api_key`` names (comma-separated); empty when none is required."""
         return parse_api_keys(self.api_key)
@@ -110,10 +126,14 @@ class FrontendConfig:
             raise ValueError("host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        positive = ("max_body_bytes", "max_stop_string_chars", "max_n")
+        positive = ("max_body_bytes", "max_stop_string_chars", "max_n", "api_servers")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.api_server_index < self.api_servers:
+            raise ValueError(
+                f"api_server_index must be in [0, {self.api_servers}), got {self.api_server_index}"
+            )
         if self.max_stop_strings < 0:
             raise ValueError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:

@@ -175,6 +175,13 @@ class Metrics:
             "How the ready worker runs its steps, chosen at its start (device, dtypes, kernels)",
             registry=r,
         )
+        # With --api-servers N a scrape reads the one frontend its connection reached: this
+        # names it, and its own series (tokens, latencies, CPU) are that process's alone.
+        self.frontend = Info(
+            "nanoserve:frontend",
+            "This frontend process: its index among --api-servers, their count, its pid",
+            registry=r,
+        )
         # Read when /metrics renders: every thread of this process, ZeroMQ's I/O thread included.
         self.cpu = Gauge(
             "nanoserve:frontend_cpu_seconds_total",

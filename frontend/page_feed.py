@@ -82,6 +82,8 @@ class PageFeed:
         self._context: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        count = config.api_servers
+        self._frontend = f"{config.api_server_index + 1} of {count}" if count > 1 else None
 
     async def start(self) -> None:
         """Connect to the monitor feed (when configured) and start sampling."""
@@ -157,7 +159,9 @@ class PageFeed:
             "problem": client.unavailable_reason(),
             "heard_s": None if heard is None else round(now - heard, 2),
             "in_flight": client.num_in_flight,
-            "pages": len(self.watchers),
+            "pages": len(self.watchers),  # this frontend's
+            # One of several (--api-servers): the plots' tokens/s and latencies are its own.
+            "frontend": self._frontend,
             "alive": client.alive,  # heard within the frontend's scheduler_timeout
             "worker_ready": None if info is None else info.worker_ready,
             "worker_reason": "" if info is None else info.reason,

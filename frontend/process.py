@@ -1,4 +1,9 @@
-"""run_frontend: the API process's entry point (uvloop, logging, graceful drain on SIGTERM)."""
+"""run_frontend: the API process's entry point (uvloop, logging, graceful drain on SIGTERM).
+
+One of ``api_servers`` frontends binds its port with SO_REUSEPORT, so the kernel spreads new
+connections over all of them; a connection, and every request kept alive on it, stays with the
+process that accepted it.
+"""
 
 from __future__ import annotations
 
@@ -14,9 +19,12 @@ from frontend.config import FrontendConfig
 
 log = logging.getLogger("nanoserve.frontend")
 
+BIND_FAILED = 2  # a usage error (the port is taken): restarting would only fail again
+
 
 def run_frontend(*, config: FrontendConfig) -> int:
-    """Serve until SIGTERM or SIGINT, then stop admitting (503), drain, and return 0."""
+    """Serve until SIGTERM or SIGINT, then stop admitting (503), drain, and return 0; return
+    ``BIND_FAILED`` when the port cannot be bound."""
     logging.basicConfig(
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s frontend %(name)s: %(message)s",
@@ -36,12 +44,19 @@ async def _serve(app: web.Application, config: FrontendConfig) -> int:
         loop.add_signal_handler(signum, stop.set)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port)
+    try:
+        await site.start()
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", config.host, config.port, exc.strerror or exc)
+        await runner.cleanup()
+        return BIND_FAILED
     log.info(
-        "serving on http://%s:%d (scheduler %s)",
+        "serving on http://%s:%d (frontend %d of %d; scheduler %s)",
         config.host,
         config.port,
+        config.api_server_index + 1,
+        config.api_servers,
         config.addresses.frontend,
     )
     await stop.wait()

@@ -13,6 +13,7 @@ scheduler run under this small supervisor: a crash costs a restart, not the whol
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 USAGE_ERROR = 2
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,9 @@ class SupervisorConfig:
     max_backoff: float = 30.0
     healthy_after: float = 30.0
     pid_file: Path | None = None  # the current child's PID, rewritten at every start
+    env: dict[str, str] | None = None  # the child's environment (None: this process's)
+    label: str = "supervise"  # names this supervisor in its messages
+    die_with_parent: bool = False  # the child gets SIGKILL when the thread that started it ends
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -60,6 +65,10 @@ class Supervisor:
             signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
+        self.forward(signum)
+
+    def forward(self, signum: int) -> None:
+        """Stop supervising: send ``signum`` to the child, and never restart it."""
         self._signal = signum
         self._stop.set()
         child = self.child
@@ -87,7 +96,8 @@ class Supervisor:
             self.restarts += 1
 
     def _run_once(self) -> int:
-        self.child = subprocess.Popen(self.config.command)
+        preexec = _die_with_parent(os.getpid()) if self.config.die_with_parent else None
+        self.child = subprocess.Popen(self.config.command, env=self.config.env, preexec_fn=preexec)
         self._say(f"started pid {self.child.pid}: {' '.join(self.config.command)}")
         if self.config.pid_file is not None:
             temporary = self.config.pid_file.with_suffix(".tmp")
@@ -98,7 +108,21 @@ class Supervisor:
         return self.child.wait()
 
     def _say(self, text: str) -> None:
-        print(f"nanoserve supervise: {text}", file=sys.stderr, flush=True)
+        print(f"nanoserve {self.config.label}: {text}", file=sys.stderr, flush=True)
+
+
+def _die_with_parent(parent: int):
+    """A ``preexec_fn``: the child gets SIGKILL when the thread that starts it ends (Linux's
+    PR_SET_PDEATHSIG), and exits at once if its parent is already gone."""
+
+    def arm() -> None:
+        prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux only
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
 
 
 def _status(code: int) -> int:

@@ -1,8 +1,9 @@
 """FrontendSide: the scheduler process's dealings with the frontends it serves.
 
 It owns the frontends' socket, the registry of frontends heard from, and which frontend owns
-each request. It answers hellos, queues adds on the process's engine, applies aborts, sends
-each frontend the outputs of its own requests, and beats to every frontend with the gauges.
+each request. It answers hellos, queues adds on the process's engine, applies each frontend's
+aborts to its own requests, sends each frontend the outputs of its own requests, and beats to
+every frontend with the gauges. Losing a frontend aborts its requests and no other's.
 What happens on the worker's side reaches the frontends through ``publish``.
 """
 
@@ -69,7 +70,7 @@ class FrontendSide:
             case AddRequest():
                 self._add(peer, message)
             case Abort():
-                self._abort(message.request_id)
+                self._abort_from(peer, message.request_id)
             case FrontendHello():
                 self._hello(peer, message)
             case Heartbeat():
@@ -113,6 +114,14 @@ class FrontendSide:
             self._reply(peer, [failed(add.request_id, str(exc))], ends=True)
             return
         self.owner[add.request_id] = peer
+
+    def _abort_from(self, peer: bytes, request_id: str) -> None:
+        """A frontend's abort: of its own requests only (another frontend's is dropped)."""
+        owner = self.owner.get(request_id)
+        if owner is not None and owner != peer:
+            self.bad(f"peer {peer!r}: abort of {request_id!r}, another frontend's request")
+            return
+        self._abort(request_id)
 
     def _abort(self, request_id: str) -> None:
         if request_id in self.owner:

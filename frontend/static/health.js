@@ -48,6 +48,7 @@ export function renderHealth(snap, link, status) {
     add("this page's cost", `${(h.monitor_s_total * 1000).toFixed(0)} ms of scheduler time (${share.toFixed(2)}%)`);
   }
   if (link) add("pages open", String(link.pages));
+  if (link?.frontend) add("frontend", `${link.frontend}: tokens/s and latencies are its own`, "", "frontend");
   const dl = $("health-list");
   dl.replaceChildren(...terms(rows));
   if (h) dl.dataset.workersLost = String(h.workers_lost_total);

@@ -5,9 +5,11 @@ A small decode step does little but stream bytes: every weight it multiplies by,
 uses at that batch size (the GGUF's 4-bit integers with their scales at most
 ``--q4-max-tokens`` rows; above that the same integers a byte each with ``--w4a8``, else
 oneDNN's bfloat16 matrices; the lm head's 8-bit halves for one row), and every cached K/V it
-attends over. No step can take less than those bytes over the machine's sequential read
-bandwidth, measured here by summing a 512 MiB tensor (best of 5). The bytes are counted from the
-loaded model itself, so a layout change shows up here.
+attends over. No step can take less than those bytes over the device's memory bandwidth,
+measured on the worker's plan's device (``BANDWIDTH``): on a CPU by summing a 512 MiB tensor on
+torch's threads, on CUDA by a 1 GiB device-to-device copy, whose bytes read and written are the
+memory's traffic (best of 5 each). The bytes are counted from the loaded model itself, so a
+layout change shows up here.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from worker.linear.base import Linear
 
 READ_BYTES = 512 << 20
+COPY_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,8 @@ class Floor:
     linears: int  # the layers' linears and the embedding rows, as this batch size uses them
     head: int  # the lm head
     kv: int  # the cached K/V attended over
-    bandwidth: float  # bytes per second, a sequential read on the worker's threads
+    bandwidth: float  # bytes per second the device's memory moves (``read_bandwidth``)
+    measured: str = "a 512 MiB read"  # how ``bandwidth`` was measured
 
     @property
     def seconds(self) -> float:
@@ -55,7 +59,7 @@ def step_floor(model, batch: int, context: int, kv_dtype: torch.dtype, bandwidth
     return Floor(layers, linear_bytes(head, batch), kv, bandwidth)
 
 
-def read_bandwidth(repeats: int = 5) -> float:
+def cpu_read_bandwidth(repeats: int = 5) -> float:
     """Bytes per second summing a 512 MiB float32 tensor (best of ``repeats``), on torch's
     threads: the rate a step's weights can stream at."""
     data = torch.ones(READ_BYTES // 4, dtype=torch.float32)
@@ -66,3 +70,36 @@ def read_bandwidth(repeats: int = 5) -> float:
         data.sum()
         best = min(best, time.perf_counter() - began)
     return READ_BYTES / best
+
+
+def cuda_copy_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second a 1 GiB device-to-device copy moves, read and written counted (best of
+    ``repeats``, timed by CUDA events). Unverified by the project's CI, which has no GPU: the
+    GPU check (scripts/gpu_check.sh) reports it."""
+    source = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    target.copy_(source)  # first touch
+    best = float("inf")
+    for _ in range(repeats):
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began.record()
+        target.copy_(source)
+        ended.record()
+        ended.synchronize()
+        best = min(best, began.elapsed_time(ended) / 1000)
+    return 2 * COPY_BYTES / best
+
+
+# How each device's memory bandwidth is measured, by the plan's device (``Plan.device``).
+BANDWIDTH = {
+    "cpu": (cpu_read_bandwidth, "a 512 MiB read"),
+    "cuda": (cuda_copy_bandwidth, "a 1 GiB device copy"),
+}
+
+
+def read_bandwidth(device: str = "cpu", repeats: int = 5) -> float:
+    """Bytes per second of ``device``'s memory (a plan's device: "cpu" or "cuda"), measured as
+    ``BANDWIDTH`` says; ValueError for another device."""
+    if device not in BANDWIDTH:
+        raise ValueError(f"no bandwidth measure for device {device!r} ({', '.join(BANDWIDTH)})")
+    return BANDWIDTH[device][0](repeats)

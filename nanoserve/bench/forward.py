@@ -13,7 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 
-from nanoserve.bench.floor import Floor, read_bandwidth, step_floor
+from nanoserve.bench.floor import BANDWIDTH, Floor, read_bandwidth, step_floor
 from protocol.blocks import blocks_for
 from protocol.messages import SamplingParams, StepInput, StepItem
 
@@ -50,7 +50,7 @@ def bench_forward(
     from worker.config import WorkerConfig
     from worker.worker import Worker
 
-    bandwidth = read_bandwidth() if profile else 0.0
+    bandwidth: float | None = None  # measured once, on the first worker's plan's device
     largest, block_size = max(batch_sizes), 16
     blocks_per_row = blocks_for(context + 2 * decode_steps + 2, block_size)
     rows = []
@@ -73,9 +73,12 @@ def bench_forward(
         for batch in batch_sizes:
             row = _one(worker, dtype, batch, context, decode_steps, blocks_per_row, vocab, profile)
             if profile:
+                device = worker.plan.device
+                if bandwidth is None:
+                    bandwidth = read_bandwidth(device)
                 kv_dtype = worker.plan.torch_kv_dtype
                 floor = step_floor(worker.model, batch, context, kv_dtype, bandwidth)
-                row = replace(row, floor=floor)
+                row = replace(row, floor=replace(floor, measured=BANDWIDTH[device][1]))
             rows.append(row)
     return rows
 
@@ -210,7 +213,7 @@ def format_breakdown(rows: list[BenchRow]) -> str:
             + " |"
         )
         lines.append(
-            f"| floor at {gbs:.1f} GB/s (a 512 MiB read) | "
+            f"| floor at {gbs:.1f} GB/s ({profiled[0].floor.measured}) | "
             + " | ".join(f"{f.seconds * 1000:.1f}" for _, f in floors)
             + " |"
         )

@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import aiohttp
 
@@ -25,17 +26,16 @@ from nanoserve.bench.data import (
     build_workload,
 )
 from nanoserve.bench.metrics import (
-    SCRAPED,
     RequestResult,
     busy_delta,
     busy_ratio,
     cpu_us_per_token,
     mib,
     scheduler_ms_per_step,
-    scrape_counter,
     summarize,
     us_per_grammar_token,
 )
+from nanoserve.bench.scrape import Scrape, per_frontend, scrape_frontends
 from nanoserve.cli import UserError
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
@@ -248,11 +248,21 @@ async def run_load(
     return list(results), time.perf_counter() - start
 
 
+class LoadWatch(Protocol):
+    """Something that measures the server's machine during the timed load only (the GPU
+    check's utilization sampler): ``start`` as the load begins, ``stop`` as it ends."""
+
+    def start(self) -> object: ...
+
+    def stop(self) -> object: ...
+
+
 class BenchServe:
     """One benchmark run against one server: warm up, scrape /metrics, load, scrape, report."""
 
-    def __init__(self, config: BenchServeConfig) -> None:
+    def __init__(self, config: BenchServeConfig, watch: LoadWatch | None = None) -> None:
         self.config = config
+        self.watch = watch
 
     async def run(self) -> dict[str, object]:
         """Run the benchmark; returns the JSON-ready report (run info plus ``summarize``)."""
@@ -270,7 +280,13 @@ class BenchServe:
             model = await self._model(session)
             await self._warmup(session, model)
             before, scraped_at = await self._scrape(session), time.perf_counter()
-            summary = await self._load(session, model)
+            if self.watch is not None:
+                self.watch.start()
+            try:
+                summary = await self._load(session, model)
+            finally:
+                if self.watch is not None:
+                    self.watch.stop()
             after = await self._scrape(session)
             scrape_wall = time.perf_counter() - scraped_at
         busy_before, busy_after = before.get("worker_busy"), after.get("worker_busy")
@@ -290,6 +306,8 @@ class BenchServe:
             "grammar_apply_us_per_token": us_per_grammar_token(before, after, "grammar_mask_apply"),
             "frontend_cpu_us_per_token": cpu_us_per_token(before, after, "frontend_cpu", tokens),
             "scheduler_cpu_us_per_token": cpu_us_per_token(before, after, "scheduler_cpu", tokens),
+            "frontends": after.count if after.frontends else None,
+            "per_frontend": per_frontend(before, after),
         }
 
     async def _load(self, session: aiohttp.ClientSession, model: str) -> dict[str, object]:
@@ -369,18 +387,7 @@ class BenchServe:
         if not any(r.success for r in results):
             raise UserError(f"warmup request failed: {results[0].error}")
 
-    async def _scrape(self, session: aiohttp.ClientSession) -> dict[str, tuple[str, float]]:
-        """The ``SCRAPED`` metrics /metrics has (none when the server has no /metrics)."""
-        try:
-            url = f"{self.config.root_url}/metrics"
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
-                if resp.status != 200:
-                    return {}
-                text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return {}
-        try:
-            found = {fragment: scrape_counter(text, fragment) for fragment in SCRAPED}
-        except (ValueError, IndexError):
-            return {}
-        return {fragment: value for fragment, value in found.items() if value is not None}
+    async def _scrape(self, session: aiohttp.ClientSession) -> Scrape:
+        """The ``SCRAPED`` metrics /metrics has, every frontend's own summed (nothing when the
+        server has no /metrics)."""
+        return await scrape_frontends(session, f"{self.config.root_url}/metrics")

@@ -226,6 +226,7 @@ def format_table(report: dict) -> str:
         ("Worker busy ratio:", report["worker_busy_ratio"]),
         ("Scheduler steps:", report.get("scheduler_steps")),
         ("Scheduler ms per step:", report.get("scheduler_ms_per_step")),
+        ("Frontends (each scraped):", report.get("frontends")),
         ("Frontend CPU per token (us):", report.get("frontend_cpu_us_per_token")),
         ("Scheduler CPU per token (us):", report.get("scheduler_cpu_us_per_token")),
         ("Worker RSS at start (MiB):", report.get("worker_rss_mib_start")),

@@ -219,3 +219,19 @@ async def test_random_prefix_len_shares_one_prefix():
 def test_multi_turn_needs_the_chat_endpoint():
     with pytest.raises(ValueError, match="multi-turn dataset needs --endpoint-type chat"):
         BenchServeConfig(dataset="multi-turn", prompt_format="text")
+
+
+async def test_a_watch_sees_the_timed_load_only():
+    seen: list[tuple[str, int]] = []
+    async with StubOpenAIServer(StubScript()) as stub:
+
+        class Watch:
+            def start(self) -> None:
+                seen.append(("start", len(stub.bodies)))
+
+            def stop(self) -> None:
+                seen.append(("stop", len(stub.bodies)))
+
+        args = dict(base_url=stub.base_url, num_prompts=5, input_len=4, output_len=2)
+        await BenchServe(BenchServeConfig(**args, num_warmups=2), watch=Watch()).run()
+    assert seen == [("start", 2), ("stop", 7)]  # after the warm-ups, around the five timed

@@ -1,5 +1,6 @@
 """nanoserve.cpus: the frontend and the scheduler move onto the last CPU of their affinity mask,
-threads already started included, and stay put where the mask has one CPU."""
+threads already started included, and stay put where the mask has one CPU; several frontends
+take a CPU each below the scheduler's."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+
+from nanoserve.cpus import frontend_offset
 
 # Runs in a process of its own (the test process must keep its CPUs): starts a thread, pins,
 # starts another, and reports every thread's CPUs and what pin_to_last_cpu returned.
@@ -32,9 +35,9 @@ print(json.dumps({"pinned": pinned, "threads": threads}))
 """
 
 
-def _pin_in_child(cpus: list[int]) -> dict:
+def _pin_in_child(cpus: list[int], child: str = _CHILD) -> dict:
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(cpus)],
+        [sys.executable, "-c", child, json.dumps(cpus)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -64,3 +67,26 @@ def test_one_cpu_is_left_as_it_is():
     report = _pin_in_child([only])
     assert report["pinned"] is None
     assert report["threads"] == {"before": [only], "after": [only], "main": [only]}
+
+
+@pytest.mark.parametrize(
+    "count, num_cpus, offsets",
+    [
+        (1, 16, [0]),  # one frontend: the last CPU, beside the scheduler
+        (4, 16, [1, 2, 3, 4]),  # several: the CPUs below the scheduler's
+        (2, 4, [1, 2]),  # the worker keeps CPU 0
+        (2, 3, [0, 1]),  # too few to leave the worker one: down from the last
+        (3, 2, [0, 1, 0]),  # fewer CPUs than frontends: wrapping
+    ],
+)
+def test_several_frontends_spread_over_the_cpus_below_the_schedulers(count, num_cpus, offsets):
+    assert [frontend_offset(i, count, num_cpus) for i in range(count)] == offsets
+
+
+@needs_two
+def test_a_frontend_pins_the_cpu_its_offset_names():
+    first, last = sorted(os.sched_getaffinity(0))[:2]
+    child = _CHILD.replace('getLogger("test"))', 'getLogger("test"), from_last=1)')
+    report = _pin_in_child([first, last], child)
+    assert report["pinned"] == first
+    assert report["threads"] == {"before": [first], "after": [first], "main": [first]}
