@@ -51,8 +51,10 @@ async def test_each_required_gauge_carries_the_schedulers_values_under_load(serv
         try:
             metrics = await _scrape_where(
                 server,
-                lambda m: m[f"vllm:num_requests_running{{{LABELS}}}"] == 2
-                and m[f"vllm:num_requests_waiting{{{LABELS}}}"] == 4,
+                lambda m: (
+                    m[f"vllm:num_requests_running{{{LABELS}}}"] == 2
+                    and m[f"vllm:num_requests_waiting{{{LABELS}}}"] == 4
+                ),
             )
         finally:
             for stream in streams:
