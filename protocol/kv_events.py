@@ -11,6 +11,11 @@ A subscriber that missed a sequence number asks the replay socket (a ROUTER) for
 a number on: it sends ``start`` as 8 big-endian bytes (after an empty delimiter frame) and gets
 back ``(seq, payload)`` for each batch still buffered, then ``(-1, b"")``.
 
+vLLM's newer releases send each event as a map instead, tagged under ``"type"`` and named by
+field (``{"type": "BlockStored", "block_hashes": [...], ...}``) inside the same array batch;
+vllm-router reads only that form, Dynamo and AIBrix the arrays, llm-d either. ``as_map`` gives
+an event in that form: a publisher sends one form or the other (``--kv-events-format``).
+
 Block hashes are opaque integers to every consumer: they match a ``BlockRemoved`` to its
 ``BlockStored`` and a block to its ``parent_block_hash``, and the routers rebuild their own
 keys from ``token_ids``. nanoserve sends what vLLM sends by default: the last 8 bytes of its
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import msgspec
 
+FORMATS = ("array", "map")  # each event as an array-like struct, or as a tagged map
 MEDIUM = "GPU"  # vLLM's name for the engine's own KV pool (as against offloaded copies)
 END_OF_REPLAY = -1  # the sequence number that ends a replay
 
@@ -66,3 +72,12 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 def external_hash(digest: bytes) -> int:
     """A block hash as it goes out: the last 8 bytes, unsigned big-endian (vLLM's default)."""
     return int.from_bytes(digest[-8:], "big")
+
+
+def as_map(event: KVEvent) -> dict[str, object]:
+    """``event`` as vLLM's newer releases send it: a map, its tag under ``"type"`` first, and a
+    stored block's ``lora_name`` too (those releases' field, which vllm-router requires)."""
+    fields = msgspec.structs.asdict(event)
+    if isinstance(event, BlockStored):
+        fields["lora_name"] = None
+    return {"type": type(event).__name__, **fields}

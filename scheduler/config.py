@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol.kv_events import FORMATS
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -51,8 +53,8 @@ class SchedulerConfig:
     kv_events_endpoint: str | None = field(
         default=None,
         metadata={
-            "help": "publish the prefix cache's KV events here, in vLLM's format (tcp://*:5557 "
-            "binds, tcp://host:port connects, as vLLM's)",
+            "help": "publish the prefix cache's KV events here, in vLLM's format (binds this "
+            "host's tcp://ADDRESS:PORT or ipc://PATH, else connects)",
             "shown": "off",
         },
     )
@@ -61,6 +63,14 @@ class SchedulerConfig:
         metadata={
             "help": "where subscribers ask for missed KV event batches (bound)",
             "shown": "none",
+        },
+    )
+    kv_events_format: str = field(
+        default="array",
+        metadata={
+            "help": "each KV event as vLLM's array (Dynamo, AIBrix, llm-d) or tagged map "
+            "(vLLM's newer releases; vllm-router)",
+            "choices": FORMATS,
         },
     )
     kv_events_topic: str = field(
@@ -83,5 +93,9 @@ class SchedulerConfig:
             endpoint = getattr(self, name)
             if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
                 raise ValueError(f"{name} must be tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")
+        if self.kv_events_format not in FORMATS:
+            raise ValueError(
+                f"kv_events_format must be array or map, got {self.kv_events_format!r}"
+            )
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")

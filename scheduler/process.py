@@ -76,6 +76,7 @@ class SchedulerProcess:
                 config.kv_events_endpoint,
                 config.kv_events_replay_endpoint,
                 config.kv_events_topic,
+                config.kv_events_format,
             )
         self.stopping = False
 

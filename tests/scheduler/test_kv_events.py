@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, external_hash
+from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, as_map, external_hash
 from protocol.messages import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
@@ -179,3 +179,28 @@ def test_the_comparison_fires_on_one_lost_event(lose: str, message: str) -> None
 
     multi_turn(engine, apply_but_one)
     assert found and message in str(found[0]), found
+
+
+def test_the_map_form_is_vllms_newer_tagged_map() -> None:
+    """What vLLM's newer releases (and vllm-router) read: each event a map tagged "type"."""
+    log, digest = KvEventLog(), bytes(range(32))
+    log.stored([digest], None, [1, 2, 3, 4], 4)
+    log.removed(digest)
+    log.cleared()
+    stored, removed, cleared = (as_map(event) for event in log.take())
+    assert stored == {
+        "type": "BlockStored",
+        "block_hashes": [int.from_bytes(digest[-8:], "big")],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4],
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    assert removed == {
+        "type": "BlockRemoved",
+        "block_hashes": stored["block_hashes"],
+        "medium": "GPU",
+    }
+    assert cleared == {"type": "AllBlocksCleared"}
