@@ -23,7 +23,7 @@ COMMANDS = [
     "sweep_watermark",
     "options_table",
 ]
-BENCH_COMMANDS = ["bench_forward", "bench_scheduler", "bench_serve", "bench_tp"]
+BENCH_COMMANDS = ["bench_forward", "bench_scheduler", "bench_serve", "bench_tp", "bench_fleet"]
 
 
 class UserError(Exception):
