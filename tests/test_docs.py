@@ -11,7 +11,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # The README is for users; docs/performance.md is a design document, not a record of runs.
 MAX_LINES = {"README.md": 250, "docs/performance.md": 600}
-DOCS = ("README.md", "docs/architecture.md", "docs/benchmarks.md", "docs/performance.md")
+DOCS = (
+    "README.md",
+    "docs/architecture.md",
+    "docs/benchmarks.md",
+    "docs/performance.md",
+    "docs/scaling.md",
+)
 
 # 7-12 hex digits with at least one digit and one letter, standing alone: an abbreviated commit
 # hash. A longer hex run (a content digest in a file name) or one inside a word is not one.
