@@ -52,6 +52,7 @@ def create_app(
         tokenizer = load_tokenizer(resolve_model(config.tokenizer or config.model))
     model_name = config.served_model_name or files.model_id
     metrics = client.metrics if client is not None else Metrics()
+    metrics.vllm.name(model_name)
     client = client or SchedulerClient(config, metrics)
     parser = RequestParser(config, tokenizer, model_name)
     handler = GenerationHandler(config, client, tokenizer, metrics, parser)

@@ -246,7 +246,7 @@ class SchedulerClient:
                 state = "ready" if info.worker_ready else f"not ready ({info.reason})"
                 log.info("scheduler: worker %s", state)
             self.link = Link.GREETED
-            self.metrics.observe_plan(info.worker_plan)
+            self.metrics.observe_info(info)
         self.info = info
         self.last_progress = time.monotonic()
 

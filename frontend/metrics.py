@@ -1,6 +1,7 @@
 """Metrics: the frontend's Prometheus series, in a registry of its own (one per app).
 
-Names follow vLLM's (``vllm:num_requests_running`` becomes ``nanoserve:num_requests_running``).
+Names follow vLLM's (``vllm:num_requests_running`` becomes ``nanoserve:num_requests_running``);
+the few that routers read are served under vLLM's own names too (``frontend.vllm_metrics``).
 Gauges mirror the scheduler's EngineStats; counters and histograms are measured here; the ready
 worker's plan is an info metric, ``nanoserve:worker_plan_info{device="cpu",...} 1``.
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections import deque
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,7 +21,9 @@ from prometheus_client import (
     generate_latest,
 )
 
-from protocol.messages import EngineStats
+from frontend.recent import Recent
+from frontend.vllm_metrics import VllmSeries
+from protocol.messages import EngineStats, SchedulerInfo
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -124,27 +126,6 @@ COUNTED = (
 )
 
 
-class Recent:
-    """The latest observations with their times, for percentiles over the last seconds (the
-    web page's plots); at most ``limit`` are kept."""
-
-    def __init__(self, limit: int = 20_000) -> None:
-        self._values: deque[tuple[float, float]] = deque(maxlen=limit)
-
-    def add(self, value: float, count: int = 1) -> None:
-        """Observe ``value`` ``count`` times, now."""
-        now = time.monotonic()
-        self._values.extend([(now, value)] * count)
-
-    def percentiles(self, window_s: float, qs: tuple[float, ...]) -> list[float] | None:
-        """The ``qs`` quantiles of the last ``window_s`` seconds' values (None: no values)."""
-        since = time.monotonic() - window_s
-        values = sorted(v for t, v in self._values if t >= since)
-        if not values:
-            return None
-        return [values[min(len(values) - 1, int(q * len(values)))] for q in qs]
-
-
 # The worker's decode paths (EngineStats.worker_decode_path; "unknown" before its first step).
 DECODE_PATHS = ("unknown", "eager", "compiling", "compiled", "failed")
 
@@ -159,6 +140,7 @@ class Metrics:
         self.kv_usage = Gauge(
             "nanoserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use", registry=r
         )
+        self.vllm = VllmSeries(r)  # the routers' gauges, under vLLM's names
         # The scheduler's running totals that are counters here (vLLM's names): each grows by
         # what the total grew, so a restarted scheduler (totals from 0) never makes them fall.
         self.counted = [(Counter(name, text, registry=r), field) for name, text, field in COUNTED]
@@ -250,6 +232,11 @@ class Metrics:
             self.itl.observe(seconds)
         self.recent_itl.add(seconds, count)
 
+    def observe_info(self, info: SchedulerInfo) -> None:
+        """The scheduler's news of its worker: the plan and the cache's geometry."""
+        self.observe_plan(info.worker_plan)
+        self.vllm.observe_info(info)
+
     def observe_plan(self, plan: dict[str, str]) -> None:
         """The ready worker's plan (SchedulerInfo.worker_plan; {} while none is ready)."""
         self.worker_plan.info({_label(key): str(value) for key, value in plan.items()})
@@ -280,6 +267,7 @@ class Metrics:
             gauge.set(getattr(stats, field))
         total = stats.kv_blocks_total
         self.kv_usage.set(stats.kv_blocks_used / total if total else 0.0)
+        self.vllm.apply(stats)
         # The scheduler reports a running total; a restarted scheduler starts again from 0.
         for i, (counter, field) in enumerate(self.counted):
             total = getattr(stats, field)

@@ -29,6 +29,7 @@ BENCH_COMMANDS = [
     "bench_serve",
     "bench_structured_clients",
     "bench_tp",
+    "bench_fleet",
 ]
 
 

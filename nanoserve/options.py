@@ -130,6 +130,7 @@ def _kind(hint: Any) -> type:
 def all_options() -> tuple[Option, ...]:
     """Every option, in the README's order; ValueError if two share a flag."""
     from frontend.config import FrontendConfig
+    from nanoserve.fleet import Fleet
     from nanoserve.launch import Running, Sockets
     from scheduler.config import SchedulerConfig
     from worker.config import WorkerConfig
@@ -142,6 +143,7 @@ def all_options() -> tuple[Option, ...]:
         *_field_options(SchedulerConfig, ("scheduler",), "scheduler"),
         *_field_options(FrontendConfig, ("frontend",), "frontend"),
         *_field_options(Running, ROLES, "process"),
+        *_field_options(Fleet, ("serve",), "replicas"),
     ]
     return _unique(found)
 

@@ -12,13 +12,9 @@ shared. Free blocks are handed out uncached first; only when none is left is a c
 evicted (its hash dropped), least recently freed first. The scheduler frees a request's blocks
 deepest first, so a chain is evicted from its tail and its shared head lasts longest.
 
-Which free blocks a request gets is a choice the ledger does not care about, and the worker's
-attention does: it streams a request's K/V about twice as fast when its blocks are adjacent
-(docs/performance.md). So ``allocate`` continues a request's last block where it can, and starts
-a request in a run of uncached-free blocks with room to grow (a soft reservation: a cursor moves
-past it, and the next request starts beyond). It never evicts a cached block while an
-uncached-free one is left; when it must evict, it takes a run around the least recently freed
-block, most often the very blocks the eviction queue would give next.
+Which free blocks a request gets matters to the worker's attention, which streams a request's
+K/V about twice as fast when its blocks are adjacent (docs/performance.md): ``allocate`` keeps a
+request's blocks in runs, and evicts a cached block only when no uncached-free one is left.
 
 ``block_states`` mirrors the ledger one byte per block (free, cached-free, held by one, shared),
 kept up to date by every change, so the web page's snapshot of a large pool is one copy
@@ -28,7 +24,7 @@ kept up to date by every change, so the web page's snapshot of a large pool is o
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
 from protocol.blocks import blocks_for
@@ -58,6 +54,7 @@ class BlockAllocator:
         self._hash_of: dict[int, bytes] = {}  # every cached block, held or free
         self._by_hash: dict[bytes, int] = {}  # the index: hash -> block
         self._states = bytearray([FREE]) * num_blocks  # each block's state, as the page shows it
+        self._on_evict: Callable[[bytes], None] | None = None  # KV events (watch_evictions)
 
     # -- queries -----------------------------------------------------------------------------
     def blocks_for_length(self, num_tokens: int) -> int:
@@ -102,9 +99,7 @@ class BlockAllocator:
         as in ``protocol.monitor``. The live array, not a copy: callers only read it."""
         return self._states
 
-    # The three mappings below are the live ledgers, not copies: callers only read them. (The
-    # audit reads 100k-entry pools between iterations, and a copy or a proxy would cost it a
-    # third of its time.)
+    # The mappings below are the live ledgers, not copies (the audit reads 100k-entry pools).
     @property
     def ref_counts(self) -> Mapping[int, int]:
         """``{block_id: holders}`` for every held block."""
@@ -181,9 +176,8 @@ class BlockAllocator:
 
     def _evict_run(self, k: int) -> list[int]:
         """With no uncached-free block left: ``k`` adjacent cached-free blocks around the least
-        recently freed one, below it first, evicted and held; [] when there is no such run. A
-        request's blocks are adjacent and freed deepest first, so the blocks below the least
-        recently freed are most often the very ones the eviction queue would give next."""
+        recently freed one, below it first (a request's blocks are adjacent and freed deepest
+        first), evicted and held; [] when there is no such run."""
         low = high = next(iter(self._evictable))
         while high - low + 1 < k and low > 0 and self._states[low - 1] == CACHED:
             low -= 1
@@ -196,8 +190,8 @@ class BlockAllocator:
         return [self._take_cached(block_id) for block_id in range(low, high + 1)]
 
     def _find(self, pattern: bytes) -> int:
-        """Where ``pattern`` (FREE bytes) first occurs in the block states from the cursor on,
-        else from the start; -1 if nowhere. bytearray.find: C speed on 100k-block pools."""
+        """Where ``pattern`` (FREE bytes) first occurs from the cursor on, else from the start;
+        -1 if nowhere (bytearray.find: C speed on 100k-block pools)."""
         found = self._states.find(pattern, self._cursor)
         return found if found >= 0 else self._states.find(pattern, 0)
 
@@ -209,9 +203,16 @@ class BlockAllocator:
     def _take_cached(self, block_id: int) -> int:
         """Evict a cached-free block (its hash leaves the index) and hold it."""
         del self._evictable[block_id]
-        del self._by_hash[self._hash_of.pop(block_id)]
+        digest = self._hash_of.pop(block_id)
+        del self._by_hash[digest]
+        if self._on_evict is not None:
+            self._on_evict(digest)
         self._hold(block_id)
         return block_id
+
+    def watch_evictions(self, on_evict: Callable[[bytes], None] | None) -> None:
+        """Call ``on_evict(hash)`` whenever an eviction drops a hash from the index."""
+        self._on_evict = on_evict
 
     def _hold(self, block_id: int) -> None:
         self._ref_counts[block_id] = 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol.kv_events import FORMATS
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -17,6 +19,8 @@ class SchedulerConfig:
     for its rows). ``overlap`` plans step N+1 while the worker computes step N (two steps in
     flight); False waits for each result before planning the next. ``enable_prefix_caching``
     lets requests share the K/V of full blocks with equal hashes (a common prefix).
+    ``kv_events_endpoint`` turns on vLLM's KV events (``scheduler.kv_publisher``): the prefix
+    cache's changes published there, with a replay socket at ``kv_events_replay_endpoint``.
     """
 
     num_slots: int | None = None
@@ -46,6 +50,34 @@ class SchedulerConfig:
         metadata={"help": "share the K/V of full blocks between requests with a common prefix"},
     )
 
+    kv_events_endpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "publish the prefix cache's KV events here, in vLLM's format (binds this "
+            "host's tcp://ADDRESS:PORT or ipc://PATH, else connects)",
+            "shown": "off",
+        },
+    )
+    kv_events_replay_endpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "where subscribers ask for missed KV event batches (bound)",
+            "shown": "none",
+        },
+    )
+    kv_events_format: str = field(
+        default="array",
+        metadata={
+            "help": "each KV event as vLLM's array (Dynamo, AIBrix, llm-d) or tagged map "
+            "(vLLM's newer releases; vllm-router)",
+            "choices": FORMATS,
+        },
+    )
+    kv_events_topic: str = field(
+        default="",
+        metadata={"help": "the KV events' topic, empty by default (llm-d reads kv@POD@MODEL)"},
+    )
+
     def __post_init__(self) -> None:
         if self.num_slots is not None and self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
@@ -57,3 +89,13 @@ class SchedulerConfig:
             raise ValueError(f"watermark_blocks must be >= 0, got {self.watermark_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            endpoint = getattr(self, name)
+            if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{name} must be tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")
+        if self.kv_events_format not in FORMATS:
+            raise ValueError(
+                f"kv_events_format must be array or map, got {self.kv_events_format!r}"
+            )
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")

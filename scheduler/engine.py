@@ -35,6 +35,7 @@ from scheduler.block_allocator import BlockAllocator
 from scheduler.config import SchedulerConfig
 from scheduler.errors import RequestRejected
 from scheduler.in_process import InProcessRuns
+from scheduler.kv_events import KvEventLog
 from scheduler.scheduler import Scheduler
 from scheduler.sizing import build_scheduler, geometry, move_to_pool
 
@@ -66,8 +67,11 @@ class Engine(InProcessRuns):
         self.worker = worker
         self.ready_info: WorkerReady | None = None
         self.scheduler: Scheduler = None  # type: ignore[assignment]  # until fit(): see fitted
+        # The prefix cache's changes as vLLM's KV events, for the process to publish.
+        self.kv_events = KvEventLog() if config.kv_events_endpoint else None
         if ready is not None:
             self.scheduler, self.ready_info = build_scheduler(ready, config, allocator), ready
+            self.scheduler.cache.record(self.kv_events)
         self.depth = 2 if config.overlap else 1  # steps in flight at most
         self._in_flight: deque[tuple[Batch, StepInput]] = deque()  # oldest first
         self._next_step_id = 0
@@ -139,7 +143,10 @@ class Engine(InProcessRuns):
             for rid in (self.scheduler.known_ids if old is not None else ())
         ]
         self._in_flight.clear()
+        if old is not None:
+            self.scheduler.cache.clear()  # the old pool and its index are gone
         self.scheduler, self.ready_info = scheduler, ready
+        scheduler.cache.record(self.kv_events)
         return ended
 
     def worker_lost(self) -> None:

@@ -12,6 +12,9 @@ last token may still be pending). Blocks a step fills are offered after its admi
 hit reads K/V the same step computes (a compiled step writes its K/V after its graph). When the
 worker's rows are lost, the index goes with them: no request may hit K/V that the next worker
 never computed.
+
+With KV events on (``record``), every hash the index gains, loses to an eviction or forgets is
+told to a ``KvEventLog``. The recording runs beside the cache's own work and changes none of it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from scheduler.block_allocator import BlockAllocator
+from scheduler.kv_events import KvEventLog
 from scheduler.request import Request
 
 
@@ -30,6 +34,18 @@ class PrefixCache:
         self.enabled = enabled
         self.queries = 0  # tokens of admitted requests, every admission counted
         self.hits = 0  # of those, tokens found in the cache
+        self.events: KvEventLog | None = None
+
+    def record(self, events: KvEventLog | None) -> None:
+        """Tell ``events`` of every change to the index from now on (None: stop)."""
+        self.events = events
+        self.allocator.watch_evictions(None if events is None else events.removed)
+
+    def clear(self) -> None:
+        """Forget every hash: the K/V they named went with the worker's rows."""
+        self.allocator.clear_cache()
+        if self.events is not None:
+            self.events.cleared()
 
     def lookup(self, request: Request) -> list[int]:
         """The cached blocks of ``request``'s longest cached prefix, leaving at least one token
@@ -69,6 +85,32 @@ class PrefixCache:
             full = min(request.num_computed, known) // size
             if full > request.num_blocks_cached:
                 hashes = request.hash_blocks(full, size)
-                for index in range(request.num_blocks_cached, full):
-                    self.allocator.cache(request.block_ids[index], hashes[index])
+                first = request.num_blocks_cached
+                if self.events is not None:
+                    self._cache_recorded(request, first, full, hashes, self.events)
+                else:
+                    for index in range(first, full):
+                        self.allocator.cache(request.block_ids[index], hashes[index])
                 request.offered(full)
+
+    def _cache_recorded(
+        self, request: Request, first: int, full: int, hashes: list[bytes], events: KvEventLog
+    ) -> None:
+        """Index blocks ``first..full-1`` of ``request`` as ``offer_all`` does, and record each
+        run of them that joined the index (a block whose hash another block already holds does
+        not join: the first copy stays the one indexed)."""
+        size, cached = self.allocator.block_size, self.allocator.cached_blocks
+        joined = []
+        for index in range(first, full):
+            block = request.block_ids[index]
+            new = block not in cached
+            joined.append(self.allocator.cache(block, hashes[index]) and new)
+        start = None
+        for index, ok in enumerate([*joined, False], start=first):
+            if ok and start is None:
+                start = index
+            elif not ok and start is not None:
+                parent = hashes[start - 1] if start else None
+                tokens = request.token_slice(start * size, index * size)
+                events.stored(hashes[start:index], parent, tokens, size)
+                start = None

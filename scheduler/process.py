@@ -14,7 +14,8 @@ The loop and the ``Engine`` are here, the engine handed to each peer's side: ``W
 worker's announcement, which fits the engine, steps and their results), ``FrontendSide``
 (hellos, adds and aborts on the engine, routing outputs) and ``Liveness`` (monitors, silence,
 heartbeats). Garbage is logged, counted and dropped by the side whose socket it arrived on.
-``Monitor`` publishes snapshots for the web page while a frontend subscribes.
+``Monitor`` publishes snapshots for the web page while a frontend subscribes, and
+``KvPublisher`` the prefix cache's KV events once an iteration, when configured.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.errors import InvariantViolation
 from scheduler.frontend_side import FrontendSide
+from scheduler.kv_publisher import KvPublisher
 from scheduler.liveness import Liveness
 from scheduler.monitor import Monitor
 from scheduler.worker_side import WorkerSide
@@ -67,6 +69,15 @@ class SchedulerProcess:
             worker_timeout=worker_timeout,
         )
         self.monitor = Monitor(self._feed(addresses.monitor), self.frontends, self.workers)
+        self.kv_events: KvPublisher | None = None  # vLLM's KV events, when configured
+        if config.kv_events_endpoint:
+            self.kv_events = KvPublisher(
+                self.context,
+                config.kv_events_endpoint,
+                config.kv_events_replay_endpoint,
+                config.kv_events_topic,
+                config.kv_events_format,
+            )
         self.stopping = False
 
     def _feed(self, address: str | None) -> zmq.Socket | None:
@@ -106,6 +117,8 @@ class SchedulerProcess:
         self.liveness.register(poller)
         if self.monitor.socket is not None:
             poller.register(self.monitor.socket, zmq.POLLIN)
+        if self.kv_events is not None and self.kv_events.replay is not None:
+            poller.register(self.kv_events.replay, zmq.POLLIN)
         return poller
 
     def turn(self, poller: zmq.Poller) -> None:
@@ -126,6 +139,9 @@ class SchedulerProcess:
         self.workers.send_steps()
         self.liveness.maybe_heartbeat()
         self.monitor.maybe_publish()
+        if self.kv_events is not None and self.engine.kv_events is not None:
+            self.kv_events.serve_replays()
+            self.kv_events.publish(self.engine.kv_events.take())  # this iteration's, as one batch
 
     def _on_worker(self, peer: bytes, message: Any, fd: int | None) -> None:
         self.frontends.publish(self.workers.on_message(peer, message, fd))
@@ -137,6 +153,8 @@ class SchedulerProcess:
     def close(self) -> None:
         """Close every socket."""
         self.monitor.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.context.destroy(linger=0)
 
 

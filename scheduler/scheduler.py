@@ -137,7 +137,9 @@ class Scheduler:
         ):
             raise RuntimeError("a pool is replaced only while nothing runs, and all waiting fit")
         self.allocator, self.watermark_blocks = allocator, watermark_blocks
+        events = self.cache.events
         self.cache = PrefixCache(allocator, self.cache.enabled)
+        self.cache.record(events)
 
     def abort(self, request_id: str) -> Request | None:
         """Drop a waiting, running or preempted request; everything it held returns."""
@@ -229,7 +231,7 @@ class Scheduler:
         behind a refused one may be accepted, so no row can be assumed empty)."""
         while self.running:
             self._preempt(self.running[-1])
-        self.allocator.clear_cache()
+        self.cache.clear()
         self.slots.release_all()
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:

@@ -17,6 +17,7 @@ DOCS = (
     "docs/benchmarks.md",
     "docs/performance.md",
     "docs/gpu.md",
+    "docs/scaling.md",
 )
 
 # 7-12 hex digits with at least one digit and one letter, standing alone: an abbreviated commit

@@ -32,7 +32,7 @@ def _row(o: Option) -> str:
     processes = (
         "all"
         if set(o.processes) == set(ROLES)
-        else ", ".join(role for role in ROLES if role in o.processes)
+        else ", ".join(name for name in (*ROLES, "serve") if name in o.processes)
     )
     cells = [
         " / ".join(f"`{s}`" for s in o.spellings),

@@ -32,12 +32,13 @@ def check(args: argparse.Namespace) -> None:
     """Build every process's config here, so that a bad value is one line (ValueError) before
     anything starts, not a child that fails and is restarted."""
     from frontend.config import FrontendConfig
+    from nanoserve.fleet import Fleet
     from nanoserve.launch import Running, Sockets
     from scheduler.config import SchedulerConfig
     from worker.config import WorkerConfig
     from worker.parallel.config import ParallelConfig
 
-    for cls in (WorkerConfig, ParallelConfig, SchedulerConfig, Running):
+    for cls in (WorkerConfig, ParallelConfig, SchedulerConfig, Running, Fleet):
         config_from(cls, args)
     addresses = config_from(Sockets, args).addresses()
     config_from(FrontendConfig, args, model=args.model, addresses=addresses)
@@ -53,8 +54,13 @@ def role_command(role: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Start the processes and wait; returns 0 after a clean stop."""
+    from nanoserve.fleet import Fleet, run_fleet
+
     check(args)
     environment = child_environment(args)
+    fleet = config_from(Fleet, args)
+    if fleet.replicas > 1 or fleet.router != "none":
+        return run_fleet(args, fleet, environment)  # several replicas, a router: nanoserve.fleet
     children: dict[str, subprocess.Popen] = {}
     stopping = False
 
@@ -77,10 +83,10 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.2)
         return 0
     finally:
-        _stop_all(children)
+        stop_all(children)
 
 
-def _stop_all(children: dict[str, subprocess.Popen], timeout: float = 30.0) -> None:
+def stop_all(children: dict[str, subprocess.Popen], timeout: float = 30.0) -> None:
     """SIGTERM the frontend first so it can drain, then the rest; SIGKILL what lingers."""
     for role in ("frontend", "scheduler", "worker"):
         child = children.get(role)
