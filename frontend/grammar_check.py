@@ -5,8 +5,7 @@ A bad schema, regex or grammar must get a 400 here and never reach the scheduler
 constrained request's grammar is compiled against the model's vocabulary the way the worker
 compiles it (an ``llguidance.LLMatcher`` with the same default limits, and its first mask: a
 grammar accepted here starts in the worker too), in a thread; llguidance drops the GIL while it
-compiles. The
-vocabulary is built once, at start, in a thread of its own.
+compiles. The vocabulary is built once, at start, before the frontend serves.
 
 A compile that runs past ``timeout`` is refused (400) and the verdict kept, so the grammar never
 reaches a worker, whose compile of it would take as long. The compile cannot be interrupted: it
@@ -44,10 +43,11 @@ class GrammarChecker:
         self._verdicts: OrderedDict[bytes, asyncio.Task[str]] = OrderedDict()
         self._threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-check")
         self._free: asyncio.Semaphore | None = None  # threads free, made in the event loop
-        # llguidance's view of the vocabulary, built now: a compile waits for it at most.
-        builder = ThreadPoolExecutor(1, thread_name_prefix="grammar-vocabulary")
-        self._vocabulary: Future[llguidance.LLTokenizer] = builder.submit(_vocabulary, tokenizer)
-        builder.shutdown(wait=False)
+        # llguidance's view of the vocabulary, built now, before the event loop serves: its
+        # constructor holds the GIL in one call (a quarter second here, seconds on a loaded
+        # machine), which beside a running loop would starve the scheduler's heartbeats.
+        self._vocabulary: Future[llguidance.LLTokenizer] = Future()
+        self._vocabulary.set_result(_vocabulary(tokenizer))
         self._limits = llguidance.LLParserLimits(verbose_errors=False)  # no parser dumps
 
     async def error(self, grammar: str) -> str:

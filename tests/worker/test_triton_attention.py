@@ -33,8 +33,8 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 DEVICE = "cuda" if ON_GPU else "cpu"
 
-from conftest import hf_greedy, hf_model, make_worker  # noqa: E402
-from driver import Driver, Request  # noqa: E402
+from tests.worker.conftest import hf_greedy, hf_model, make_worker  # noqa: E402
+from tests.worker.driver import Driver, Request  # noqa: E402
 
 from protocol.messages import SamplingParams  # noqa: E402
 from worker.attention import AttentionMetadata, DecodeRows, TorchBackend  # noqa: E402
