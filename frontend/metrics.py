@@ -146,7 +146,7 @@ class Recent:
 
 
 # The worker's decode paths (EngineStats.worker_decode_path; "unknown" before its first step).
-DECODE_PATHS = ("unknown", "eager", "compiling", "compiled", "failed")
+DECODE_PATHS = ("unknown", "eager", "graphs", "compiling", "compiled", "failed")
 
 
 class Metrics:

@@ -1,12 +1,15 @@
 """Packed step inputs (``worker.step_pack``): every array comes back as it went in, from one
 copy; a staging buffer is written again only once the copy that read it is done; outputs come
-back in one copy."""
+back in one copy; and a worker's step crosses to the device in exactly one copy."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_worker
+from driver import Driver, Request
 
+from protocol.messages import SamplingParams
 from worker import step_pack
 from worker.fences import Fence
 from worker.step_pack import ALIGN, Staging, download
@@ -90,3 +93,15 @@ def test_outputs_come_back_in_one_copy():
     assert fence.done()
     assert [t.tolist() for t in host] == [[3, 1, 4], [-0.5, -1.5], [[1, 2], [4, 5]]]
     assert host[0].untyped_storage().data_ptr() == host[2].untyped_storage().data_ptr()
+
+
+def test_a_step_crosses_in_one_copy(tiny_dir):
+    """Every step, decodes and prefills with penalties, bias and logprobs alike, is one upload."""
+    worker = make_worker(tiny_dir)
+    params = SamplingParams(
+        temperature=0.8, seed=3, repetition_penalty=1.2, logit_bias={5: 2.0}, logprobs=2
+    )
+    driver = Driver(worker, eos=[])
+    before = worker.runner.staging.uploads
+    driver.run([Request("a", [1, 2, 3, 4, 5], 4, params), Request("b", [1, 9], 3)], chunk=3)
+    assert worker.runner.staging.uploads - before == driver.step_id - 1  # the last one is empty
