@@ -63,7 +63,9 @@ class CudaGraphs(GraphAdapter):
             body()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA calls of the process's other threads (the pool's, the fence
+        # waiter's) do not break this thread's capture.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             body()
         self.pool = graph.pool()
         self.graphs[key] = graph

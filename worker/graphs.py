@@ -90,7 +90,7 @@ class DecodeGraphs:
     def keys(self) -> list[Key]:
         return [(b, w) for b in self.buckets for w in self.widths]
 
-    def choose(self, items: list[StepItem], rows: list[Row]) -> Key | None:
+    def choose(self, items: list[StepItem]) -> Key | None:
         """The key a step replays, or None: it runs eagerly."""
         if not items or len(items) > self.buckets[-1]:
             return None

@@ -64,7 +64,7 @@ class StepInputs:
                 sampled.append(len(ids) - 1)
             spans.append((row.block_table, item.start, len(tokens)))
         rows = [row for row, _ in applied]
-        key = graphs.choose(items, rows) if graphs is not None else None
+        key = graphs.choose(items) if graphs is not None else None
         inputs = cls(len(ids), sampled, pending, key)
         if key is not None:
             graphs.pack(pack, items, rows, key)

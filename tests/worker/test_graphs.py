@@ -40,17 +40,16 @@ def test_buckets_are_the_padded_batch_sizes_and_every_key_is_captured(tiny_dir):
 
 def test_which_steps_replay(tiny_dir):
     graphs = graph_worker(tiny_dir).graphs
-    rows = [None] * 9
-    assert graphs.choose([decode(0, 10)], rows[:1]) == (1, 64)
-    assert graphs.choose([decode(s, 10) for s in range(5)], rows[:5]) == (8, 64)
-    assert graphs.choose([decode(0, 10), decode(1, 256)], rows[:2]) == (2, 128)  # 257 tokens
-    assert graphs.choose([decode(0, 511)], rows[:1]) == (1, 128)
+    assert graphs.choose([decode(0, 10)]) == (1, 64)
+    assert graphs.choose([decode(s, 10) for s in range(5)]) == (8, 64)
+    assert graphs.choose([decode(0, 10), decode(1, 256)]) == (2, 128)  # 257 tokens
+    assert graphs.choose([decode(0, 511)]) == (1, 128)
     prefill = StepItem(request_id="p", slot=1, new_blocks=[], token_ids=[7, 8], start=4)
-    assert graphs.choose([decode(0, 10), prefill], rows[:2]) is None
+    assert graphs.choose([decode(0, 10), prefill]) is None
     fresh = StepItem(request_id="f", slot=1, new_blocks=[0], token_ids=[7], start=0)
-    assert graphs.choose([fresh], rows[:1]) is None
-    assert graphs.choose([decode(s % 8, 10) for s in range(9)], rows) is None  # past 8 rows
-    assert graphs.choose([], []) is None
+    assert graphs.choose([fresh]) is None
+    assert graphs.choose([decode(s % 8, 10) for s in range(9)]) is None  # past 8 rows
+    assert graphs.choose([]) is None
 
 
 def test_padded_rows_write_only_the_trash_block_and_are_never_sampled(tiny_dir):
