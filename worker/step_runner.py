@@ -11,7 +11,9 @@ For each step the worker has checked and applied to its rows, ``queue``:
    CPU step where it accepts the step (``worker.compiled``), else the eager model;
 4. samples on the device, and starts the samples' copy back (``Launched``).
 
-Nothing in it waits for the device, except where a grammar's masks must be copied in.
+Nothing in it waits for the device. A step with a constrained row waits for the previous
+steps' sampled ids (its matcher advances on the host) once its forward is queued, and its masks
+go in by a copy of their own.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from protocol.messages import StepInput
 from worker.device_sampler import DeviceSampler
 from worker.fences import DoneFence
+from worker.grammar import PendingMasks
 from worker.graphs import DecodeGraphs
 from worker.in_flight import Launched
 from worker.penalties import pack_folds, penalty_folds
@@ -70,11 +73,21 @@ class StepRunner:
             )
             self.graphs.capture()
 
-    def queue(self, step: StepInput, applied, sampled, masks, audit) -> Launched:
+    def queue(
+        self,
+        step: StepInput,
+        applied,
+        sampled,
+        start_masks: Callable[[], PendingMasks | None],
+        early: bool,
+        audit,
+    ) -> Launched:
         """Queue an applied step: ``applied`` is each item's (row, tokens) from
-        ``RowTable.apply``, ``sampled`` the (item, row) this rank samples, ``masks`` their
-        grammar masks being filled, ``audit`` the rows to report. Run under inference mode."""
+        ``RowTable.apply``, ``sampled`` the (item, row) this rank samples, ``start_masks``
+        starts their grammar masks (before the forward is queued when ``early``, else after),
+        ``audit`` the rows to report. Run under inference mode."""
         tracked = [(item, row, len(row.history)) for item, row in sampled]
+        masks = start_masks() if early else None
         if not step.items:
             return Launched(step, [], None, [], DoneFence(), masks, audit)
         pack = self.staging.pack()
@@ -97,6 +110,8 @@ class StepRunner:
         if folds:
             self.sampler.penalties.fold(packed, ids)
         logits = self._forward(inputs, packed, ids)
+        if not early:
+            masks = start_masks()
         if not rows:
             return Launched(step, [], None, [], DoneFence(), masks, audit)
         allowed = None

@@ -176,14 +176,24 @@ class Worker:
             sampled = [(item, row) for item, (row, _) in pairs if item.sample]
             if not self.group.leader:  # a rank other than the leader only computes its share
                 sampled = []
-            if any(row.params.grammar is not None for _, row in sampled):
-                self.settle()  # a matcher follows the tokens its row was fed, on the host
-            masks = self.grammar.start([row for _, row in sampled])  # filled during the forward
             for _, row in sampled:
                 row.sampled = True
+            rows = [row for _, row in sampled]
+            grammar = any(row.params.grammar is not None for row in rows)
+
+            def start_masks():
+                """The constrained rows' masks, filled in a thread (None: no such row)."""
+                if grammar:
+                    self.settle()  # a matcher follows the tokens its row was fed, on the host
+                return self.grammar.start(rows)
+
+            # Masks are filled while the forward runs: started before it when the tokens they
+            # need are back already (always, on the CPU), else once it is queued, so that
+            # waiting for them does not keep the device waiting too.
+            early = not grammar or all(launched.done() for launched in self._in_flight)
             audit = self.rows() if step.audit else None
             with torch.inference_mode():  # everything: compiled graphs guard on it
-                launched = self.runner.queue(step, applied, sampled, masks, audit)
+                launched = self.runner.queue(step, applied, sampled, start_masks, early, audit)
             launched.launch_s = time.perf_counter() - began
             self._in_flight.append(launched)
             return launched

@@ -19,6 +19,7 @@ from tiny_model import write_byte_tokenizer
 from protocol.messages import PENDING_TOKEN, SamplingParams, StepInput, StepItem
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
+from worker.fences import FENCES, Fence
 
 
 def item(**overrides) -> StepItem:
@@ -124,9 +125,26 @@ def test_two_steps_in_flight_give_the_tokens_of_one_at_a_time(tiny_dir, num_bloc
     assert len(want["r0"][0]) == 14 and any(len(t) > 3 for t, _ in want.values())
 
 
-def test_grammar_rows_in_flight(tiny_dir, tmp_path):
+class LateFence(Fence):
+    """A device that is never done before the host waits for it (a busy GPU, on the CPU)."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def done(self) -> bool:
+        return self.waited
+
+    def wait(self) -> None:
+        self.waited = True
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_grammar_rows_in_flight(tiny_dir, tmp_path, monkeypatch, late):
     """A constrained row's matcher needs its last token on the host: the worker waits for it
-    before the row's next masks, and the replies equal those run one step at a time."""
+    before the row's next masks (once the forward is queued, while the previous step is not
+    done: ``late``), and the replies equal those run one step at a time."""
+    if late:
+        monkeypatch.setitem(FENCES, "cpu", LateFence)
     directory = tmp_path / "model"
     shutil.copytree(tiny_dir, directory)
     write_byte_tokenizer(directory)
