@@ -27,7 +27,7 @@ class Row:
     seed: int = 0
     sampled: bool = False  # whether the row's last step sampled: a PENDING_TOKEN may follow
     last_sampled: int | None = None  # that sample, once the host has it (worker.in_flight)
-    penalty_state: object | None = None  # the sampler's running counts, built on first need
+    penalty_state: object | None = None  # the reference sampler's counts (worker.sampler)
     grammar_state: object | None = None  # its grammar's matcher (worker.grammar), likewise
 
     @property

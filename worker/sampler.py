@@ -1,4 +1,10 @@
-"""``Sampler``: turn each sampled row's logits into a token (plus logprobs when asked).
+"""``Sampler``: the reference sampler, one row at a time in plain torch, and the numerics the
+worker's own sampler shares with it.
+
+The worker samples with ``worker.device_sampler.DeviceSampler``, the same computation as batched
+operations on the device; tests/worker/test_device_sampler.py holds it to this one's tokens. Both
+draw with ``draw_tokens``, greedy rows take the plan's ``ARGMAX``, and uniforms come from
+``seeded_uniform``.
 
 Order per row: penalties, logit_bias and min_tokens on the raw logits, then the grammar's mask
 (``worker.grammar``); then greedy rows take the argmax, and the others divide by temperature and
