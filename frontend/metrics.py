@@ -127,7 +127,7 @@ COUNTED = (
 
 
 # The worker's decode paths (EngineStats.worker_decode_path; "unknown" before its first step).
-DECODE_PATHS = ("unknown", "eager", "compiling", "compiled", "failed")
+DECODE_PATHS = ("unknown", "eager", "graphs", "compiling", "compiled", "failed")
 
 
 class Metrics:

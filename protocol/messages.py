@@ -134,7 +134,7 @@ class StepResult(Message):
     grammar_rows: int = 0
     grammar_fill_s: float = 0.0
     grammar_apply_s: float = 0.0
-    decode_path: str = ""  # "eager", "compiling", "compiled" or "failed" (Worker.decode_path)
+    decode_path: str = ""  # "eager", "graphs", "compiling", "compiled", "failed" (Worker's)
     num_threads: int = 0  # the worker's intra-op threads after the step (worker.cpu.threads)
 
 

@@ -33,7 +33,8 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
       worker's time filling their masks (beside the forward); ``grammar_apply_s_total``: its
       time waiting for and applying them (in the step's path).
     - ``worker_decode_path``: what the worker's decode steps run on, as its last step said:
-      "eager", "compiling" (eagerly meanwhile), "compiled", "failed" ("" before any step).
+      "eager", "graphs" (CUDA graphs), "compiling" (eagerly meanwhile), "compiled", "failed"
+      ("" before any step).
     - ``worker_threads``: the worker's intra-op threads after its last step (0 before any);
       ``worker_thread_switches_total``: how often it changed them (``worker.cpu.threads``).
     """

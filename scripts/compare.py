@@ -203,7 +203,7 @@ def time_readme_start(server, label: str, compile_wait: float) -> dict:
     chat(server.url)
     row["first_reply_s"] = time.monotonic() - began
     deadline = time.monotonic() + compile_wait
-    while (path := decode_path(server.url)) not in ("compiled", "failed", "eager"):
+    while (path := decode_path(server.url)) not in ("compiled", "failed", "eager", "graphs"):
         if time.monotonic() > deadline:
             break
         time.sleep(2)

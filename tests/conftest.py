@@ -13,5 +13,12 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 os.environ.setdefault("NANOSERVE_DTYPE", "float32")
 os.environ.setdefault("NANOSERVE_COMPILE", "0")
+# Without a GPU, Triton's kernels run in its interpreter (tests/worker/test_triton_attention.py).
+# Triton reads the variable when it is first imported, and other modules of the session may
+# import it (torch's inductor does), so it is set here, before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

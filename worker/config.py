@@ -41,7 +41,10 @@ class WorkerConfig:
     core, and come back when it is free (``worker.cpu.threads``).
     ``generic_path``: run on CPU exactly the code CUDA runs: the torch attention backend, plain
     ``F.linear`` weights (no oneDNN packing, no 4-bit matrices) and torch's argmax, none of
-    ``worker.cpu.kernels``. It tests that path where there is no GPU.
+    ``worker.cpu.kernels``, and decode steps through the graph runner (``worker.graphs``), whose
+    CPU adapter replays each bucket's function eagerly. It tests that path where there is no GPU.
+    ``enforce_eager``: every step runs eagerly: no CUDA graphs (``worker.graphs``), no compiled
+    CPU steps.
     """
 
     model: str | None = field(
@@ -127,6 +130,12 @@ class WorkerConfig:
         default=False,
         metadata={"help": "run on CPU exactly the code CUDA runs (none of nanoserve's kernels)"},
     )
+    enforce_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "run every step eagerly: no CUDA graphs for decode steps, no compiled CPU steps"
+        },
+    )
     adapt_threads: bool = field(
         default=True,
         metadata={
@@ -154,6 +163,8 @@ class WorkerConfig:
             raise ValueError(f"q4_max_tokens must be >= 0, got {self.q4_max_tokens!r}")
         if self.generic_path and self.compile is True:
             raise ValueError("generic_path runs what CUDA runs, and CUDA does not compile")
+        if self.enforce_eager and self.compile is True:
+            raise ValueError("enforce_eager runs every step eagerly: it cannot compile")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
 

@@ -9,7 +9,7 @@ The worker logs the plan, announces it in ``WorkerReady`` (``summary``), and /me
 web page show it.
 
 Adding a backend is one more value of one field and one entry in the table that builds it: CUDA
-runs Triton's attention where triton imports, and plain weights.
+runs Triton's attention where triton imports, plain weights, and its decode steps in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -81,9 +81,10 @@ class Plan:
     activation: str  # the SwiGLU's silu(gate) * up: "torch" | "kernel" | "kernel-f32"
     rotary: str  # "torch" | "kernel" (bfloat16)
     argmax: str  # the sampler's greedy choice: "torch" | "kernel"
-    compile: str  # decode steps: "eager" | "inductor" (built beside serving, worker.compiled)
+    compile: str  # decode steps: "eager" | "inductor" (worker.compiled) | "cuda-graphs" (.graphs)
     threads: int  # torch's intra-op threads
     adapt_threads: bool  # drop to one thread beside a busy neighbour (worker.cpu.threads)
+    pin_memory: bool = False  # step inputs and outputs in pinned host memory (worker.step_pack)
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
@@ -164,13 +165,8 @@ def wants_4bit(config: WorkerConfig, device: str, dtype: str, group_size: int) -
     """Whether the plan may run linears on the model file's 4-bit matrices, so the worker reads
     them: on CPU, off the generic path, one rank (their matrices are not sharded), in bfloat16 or
     the float32 that ``auto`` picks (an explicit float32 is the exact path)."""
-    return (
-        device == "cpu"
-        and not config.generic_path
-        and config.q4_max_tokens > 0
-        and group_size == 1
-        and (dtype == "bfloat16" or config.dtype == "auto")
-    )
+    cpu_fast = device == "cpu" and not config.generic_path and group_size == 1
+    return cpu_fast and config.q4_max_tokens > 0 and (dtype == "bfloat16" or config.dtype == "auto")
 
 
 def resolve(
@@ -211,6 +207,7 @@ def resolve(
         compile=_compile(config, device, group_size),
         threads=resolve_threads(config, local_size),
         adapt_threads=config.adapt_threads and device == "cpu" and group_size == 1,
+        pin_memory=device == "cuda",
     )
 
 
@@ -261,17 +258,20 @@ def _onednn_packs(dtype: str) -> bool:
 
 
 def _compile(config: WorkerConfig, device: str, group_size: int) -> str:
-    """``inductor`` where asked, or by default where it pays (CPU, one rank, off the generic path,
-    a torch that compiles the graph); ValueError where asked and impossible."""
+    """``eager`` with ``enforce_eager``; ``cuda-graphs`` for the code CUDA runs with one rank (on
+    CUDA; on CPU's generic path the graph runner's adapter replays eagerly: ``worker.graphs``);
+    ``inductor`` where asked, or by default where it pays (CPU, one rank, a torch that compiles
+    the graph). ValueError where asked and impossible."""
+    if config.compile and device != "cpu":
+        raise ValueError(f"compile runs on CPU only, not on {device}")
+    if config.enforce_eager or (group_size > 1 and not config.compile):
+        return "eager"
+    if device == "cuda" or config.generic_path:
+        return "cuda-graphs"
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     new_enough = (major, minor) >= (2, 13)
-    if config.compile is None:
-        pays = device == "cpu" and group_size == 1 and not config.generic_path and new_enough
-        return "inductor" if pays else "eager"
     if not config.compile:
-        return "eager"
-    if device != "cpu":
-        raise ValueError(f"compile runs on CPU only, not on {device}")
+        return "inductor" if config.compile is None and new_enough else "eager"
     if group_size > 1:
         raise ValueError("compile runs one rank only: tensor-parallel steps run eagerly")
     if not new_enough:

@@ -1,7 +1,8 @@
 """The worker process: load the model, allocate the cache, announce the geometry, run steps.
 
 The worker connects a DEALER socket to the scheduler's worker endpoint and then only answers:
-each StepInput gets exactly one StepResult. A second thread sends a Heartbeat every
+each StepInput gets exactly one StepResult, in order, with up to two steps in flight
+(``worker.step_loop``). A second thread sends a Heartbeat every
 ``heartbeat_s`` on a socket of its own, busy or idle, so the scheduler can tell a dead (or hung)
 worker from a busy one; the beat names the main socket's identity. A SchedulerHello means
 "announce yourself": a new scheduler knows nothing of our rows, so they are all dropped first.
@@ -17,7 +18,6 @@ import threading
 import time
 import uuid
 
-import msgspec
 import zmq
 
 from protocol.addresses import Addresses
@@ -29,7 +29,6 @@ from protocol.messages import (
     SchedulerToWorker,
     Shutdown,
     StepInput,
-    StepResult,
     WorkerReady,
 )
 
@@ -120,37 +119,58 @@ def _log_ready(worker, ready: WorkerReady) -> None:
 
 
 def _serve(channel: Channel, worker, stopping: list[int], poll_s: float, delay_s: float) -> int:
-    """Answer the scheduler until Shutdown (or a signal lands in ``stopping``)."""
+    """Answer the scheduler until Shutdown (or a signal lands in ``stopping``), two steps in
+    flight at most (``worker.step_loop``)."""
+    from worker.compiled.background import step_first  # loaded with the worker (torch) by now
+    from worker.step_loop import StepLoop
+
+    loop = StepLoop(
+        worker,
+        channel,
+        step_first=lambda: step_first(worker.compile_job),
+        extra=lambda: {"resident_bytes": resident_bytes()},
+    )
     bad = 0
-    while not stopping:
-        if not channel.socket.poll(int(poll_s * 1000)):
-            worker.idle()
-            continue
-        try:
-            _, message = channel.recv()
-        except BadMessage as exc:
-            bad += 1
-            log.warning("dropped bad message #%d from the scheduler: %s", bad, exc)
-            continue
-        match message:
-            case StepInput():
-                if delay_s:
-                    time.sleep(delay_s)
-                channel.send(_execute(worker, message))
-            case SchedulerHello() if message.protocol_version != PROTOCOL_VERSION:
+    try:
+        while not stopping:
+            loop.answer_ready()
+            if loop.full:
+                loop.answer_oldest()
+                continue
+            if not loop.wait(poll_s):
+                if not loop.pending:
+                    worker.idle()
+                continue
+            try:
+                _, message = channel.recv()
+            except BadMessage as exc:
                 bad += 1
-                log.error(
-                    "a scheduler speaking protocol %d, not %d: ignored",
-                    message.protocol_version,
-                    PROTOCOL_VERSION,
-                )
-            case SchedulerHello():
-                worker.reset()
-                channel.send(worker.ready())
-            case Shutdown():
-                log.info("shutdown: %s", message.reason or "asked by the scheduler")
-                return 0
-    return 0
+                log.warning("dropped bad message #%d from the scheduler: %s", bad, exc)
+                continue
+            match message:
+                case StepInput():
+                    if delay_s:
+                        time.sleep(delay_s)
+                    loop.launch(message)
+                case SchedulerHello() if message.protocol_version != PROTOCOL_VERSION:
+                    bad += 1
+                    log.error(
+                        "a scheduler speaking protocol %d, not %d: ignored",
+                        message.protocol_version,
+                        PROTOCOL_VERSION,
+                    )
+                case SchedulerHello():
+                    loop.answer_all()  # the steps sent before it are answered first
+                    worker.reset()
+                    channel.send(worker.ready())
+                case Shutdown():
+                    loop.answer_all()
+                    log.info("shutdown: %s", message.reason or "asked by the scheduler")
+                    return 0
+        loop.answer_all()
+        return 0
+    finally:
+        loop.close()
 
 
 def _heartbeats(
@@ -169,23 +189,6 @@ def _heartbeats(
             channel.try_send(Heartbeat(sender=identity, time=time.time()))
     finally:
         socket.close(0)
-
-
-def _execute(worker, step: StepInput) -> StepResult:
-    """Run one step. A step the worker refuses (a protocol violation) is logged and answered
-    with an error, so the scheduler recovers instead of waiting forever."""
-    from worker.compiled.background import step_first  # loaded with the worker (torch) by now
-
-    started = time.perf_counter()
-    try:
-        with step_first(worker.compile_job):
-            result = worker.execute(step)
-    except ValueError as exc:
-        log.error("step %d refused: %s", step.step_id, exc)
-        worker.reset()  # the rows may be half-updated: drop them all, the scheduler recomputes
-        return StepResult(step_id=step.step_id, samples=[], error=str(exc))
-    elapsed = time.perf_counter() - started
-    return msgspec.structs.replace(result, forward_s=elapsed, resident_bytes=resident_bytes())
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -25,8 +25,9 @@ class Row:
     prompt_len: int = 0
     history: list[int] = field(default_factory=list)  # every token fed into the row
     seed: int = 0
-    last_sampled: int | None = None  # the token a PENDING_TOKEN item feeds back
-    penalty_state: object | None = None  # the sampler's running counts, built on first need
+    sampled: bool = False  # whether the row's last step sampled: a PENDING_TOKEN may follow
+    last_sampled: int | None = None  # that sample, once the host has it (worker.in_flight)
+    penalty_state: object | None = None  # the reference sampler's counts (worker.sampler)
     grammar_state: object | None = None  # its grammar's matcher (worker.grammar), likewise
 
     @property
@@ -91,7 +92,7 @@ class RowTable:
         if PENDING_TOKEN in item.token_ids:
             if list(item.token_ids) != [PENDING_TOKEN] or item.fresh:
                 raise ValueError(f"{where}: a pending token must be an item's only token")
-            if row.last_sampled is None:
+            if not row.sampled:
                 raise ValueError(f"{where}: a pending token, but the row's last step sampled none")
         bad = [b for b in item.new_blocks if not 0 <= b < self.num_blocks]
         tokens = [*item.token_ids, *item.cached_token_ids]
@@ -119,7 +120,10 @@ class RowTable:
 
     def apply(self, item: StepItem) -> tuple[Row, list[int]]:
         """Update a checked item's row for the tokens about to be computed; return the row and
-        those tokens, a pending token replaced by the row's last sample."""
+        those tokens. A pending token stays ``PENDING_TOKEN`` there (the device feeds it, from
+        its own copy of the row's last sample); the row's history takes the sample if the host
+        has it already, else a ``PENDING_TOKEN`` placeholder, which ``Launched.resolve``
+        replaces once it has."""
         row = self.rows[item.slot]
         if item.fresh:
             params = item.params or SamplingParams()
@@ -129,12 +133,14 @@ class RowTable:
             self.rows[item.slot] = row
         tokens = list(item.token_ids)
         if tokens == [PENDING_TOKEN]:
-            tokens = [row.last_sampled]
-        row.last_sampled = None  # set again only if this item samples
+            known = row.last_sampled
+            row.history.append(PENDING_TOKEN if known is None else known)
+        else:
+            row.history.extend(tokens)
+        row.sampled, row.last_sampled = False, None  # set again only if this item samples
         self.written.update(written_blocks(item, self.block_size))
         row.block_table.extend(item.new_blocks)
         row.num_cached += len(tokens)
-        row.history.extend(tokens)
         return row, tokens
 
     def summaries(self) -> list[RowSummary]:

@@ -1,4 +1,10 @@
-"""``Sampler``: turn each sampled row's logits into a token (plus logprobs when asked).
+"""``Sampler``: the reference sampler, one row at a time in plain torch, and the numerics the
+worker's own sampler shares with it.
+
+The worker samples with ``worker.device_sampler.DeviceSampler``, the same computation as batched
+operations on the device; tests/worker/test_device_sampler.py holds it to this one's tokens. Both
+draw with ``draw_tokens``, greedy rows take the plan's ``ARGMAX``, and uniforms come from
+``seeded_uniform``.
 
 Order per row: penalties, logit_bias and min_tokens on the raw logits, then the grammar's mask
 (``worker.grammar``); then greedy rows take the argmax, and the others divide by temperature and
@@ -142,20 +148,15 @@ class Sampler:
 
     def _draw(self, scores: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """Temperature, top_k, top_p, min_p, then one inverse-CDF draw per row -> (R,)."""
-        temps = torch.tensor([r.params.temperature for r in rows], device=scores.device)
-        probs, order = filtered_probs(
-            scores / temps[:, None],
-            top_k=[r.params.top_k for r in rows],
-            top_p=[r.params.top_p for r in rows],
-            min_p=[r.params.min_p for r in rows],
+        device = scores.device
+        return draw_tokens(
+            scores,
+            temperature=torch.tensor([r.params.temperature for r in rows], device=device),
+            top_k=_top_k([r.params.top_k for r in rows], scores.shape[-1], device),
+            top_p=_top_p([r.params.top_p for r in rows], device),
+            min_p=torch.tensor([r.params.min_p for r in rows], device=device),
+            uniforms=torch.tensor([seeded_uniform(r) for r in rows], dtype=torch.float64),
         )
-        cdf = probs.double().cumsum(dim=-1)  # (R, vocab), sorted best first
-        uniforms = torch.tensor([_uniform(r) for r in rows], dtype=torch.float64)
-        targets = (uniforms.to(cdf.device) * cdf[:, -1])[:, None]  # (R, 1)
-        index = torch.searchsorted(cdf, targets, right=True)  # (R, 1)
-        kept = (probs > 0).sum(dim=-1, keepdim=True)
-        index = torch.minimum(index, kept - 1)
-        return order.gather(1, index).squeeze(1)
 
     def _with_logprobs(self, logits, tokens: list[int], rows: list[Row]) -> list[Draw]:
         wants = [row.params.logprobs for row in rows]
@@ -175,34 +176,76 @@ class Sampler:
         return draws
 
 
+def draw_tokens(
+    scores: torch.Tensor,
+    *,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """One draw per row of scores (R, vocab): divided by its temperature (R,), filtered
+    (``filtered_probs_of``), then the token where the float64 CDF first passes the row's
+    uniform (R,) -> token ids (R,)."""
+    probs, order = filtered_probs_of(
+        scores / temperature[:, None], top_k=top_k, top_p=top_p, min_p=min_p
+    )
+    cdf = probs.double().cumsum(dim=-1)  # (R, vocab), sorted best first
+    targets = (uniforms.to(cdf.device) * cdf[:, -1])[:, None]  # (R, 1)
+    index = torch.searchsorted(cdf, targets, right=True)  # (R, 1)
+    kept = (probs > 0).sum(dim=-1, keepdim=True)
+    index = torch.minimum(index, kept - 1)
+    return order.gather(1, index).squeeze(1)
+
+
 def filtered_probs(
     scores: torch.Tensor, *, top_k: list, top_p: list, min_p: list
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``filtered_probs_of`` with each row's filters given as lists (None: no top_k)."""
+    device = scores.device
+    return filtered_probs_of(
+        scores,
+        top_k=_top_k(top_k, scores.shape[-1], device),
+        top_p=_top_p(top_p, device),
+        min_p=torch.tensor(min_p, device=device, dtype=torch.float32),
+    )
+
+
+def filtered_probs_of(
+    scores: torch.Tensor, *, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Probabilities after top_k, top_p and min_p, sorted best first, with the sort order.
 
-    scores: (R, vocab) already divided by temperature. Returns probs (R, vocab), zero where
+    scores: (R, vocab) already divided by temperature; top_k (R,) int64, at most vocab; top_p
+    (R,) float32, infinite where off; min_p (R,) float32. Returns probs (R, vocab), zero where
     filtered out and renormalized, and order (R, vocab) mapping sorted position -> token id.
     Every filter keeps a prefix of the sorted list, and always the best token.
     """
-    rows, vocab = scores.shape
-    device = scores.device
+    vocab = scores.shape[-1]
     ordered, order = scores.sort(dim=-1, descending=True)  # (R, vocab)
-    rank = torch.arange(vocab, device=device)[None, :]  # (1, vocab)
-    k = torch.tensor([vocab if v is None else min(v, vocab) for v in top_k], device=device)
-    ordered = ordered.masked_fill(rank >= k[:, None], float("-inf"))
+    rank = torch.arange(vocab, device=scores.device)[None, :]  # (1, vocab)
+    ordered = ordered.masked_fill(rank >= top_k[:, None], float("-inf"))
     probs = torch.softmax(ordered, dim=-1)
     # top_p keeps a token while the mass strictly before it is below p (transformers' rule).
-    # top_p >= 1 is "off": cumsum rounding must not trim the tail.
-    p = torch.tensor([v if v < 1 else float("inf") for v in top_p], device=device)[:, None]
     before = probs.cumsum(dim=-1) - probs
-    ordered = ordered.masked_fill(before >= p, float("-inf"))
+    ordered = ordered.masked_fill(before >= top_p[:, None], float("-inf"))
     probs = torch.softmax(ordered, dim=-1)
-    floor = torch.tensor(min_p, device=device, dtype=probs.dtype)[:, None] * probs[:, :1]
+    floor = min_p.to(probs.dtype)[:, None] * probs[:, :1]
     ordered = ordered.masked_fill(probs < floor, float("-inf"))
     return torch.softmax(ordered, dim=-1), order
 
 
-def _uniform(row: Row) -> float:
+def _top_k(values: list, vocab: int, device) -> torch.Tensor:
+    return torch.tensor([vocab if v is None else min(v, vocab) for v in values], device=device)
+
+
+def _top_p(values: list, device) -> torch.Tensor:
+    """top_p >= 1 is "off": cumsum rounding must not trim the tail, so it becomes infinite."""
+    return torch.tensor([v if v < 1 else float("inf") for v in values], device=device)
+
+
+def seeded_uniform(row: Row) -> float:
     """A uniform in [0, 1) fixed by the row's seed and the index of the token being drawn."""
     index = len(row.output_tokens)
     generator = torch.Generator().manual_seed((row.seed * _MIX + index) & _MASK64)

@@ -1,7 +1,11 @@
-"""``Worker``: owns the model and the KV cache, and runs one ``StepInput`` at a time.
+"""``Worker``: owns the model and the KV cache, and runs ``StepInput``s in order.
 
 The row contract (what each ``StepItem`` means for a slot's cache row) lives in ``worker.rows``;
-this class only turns a checked step into one flattened forward and one sampling call.
+this class only turns a checked step into one packed copy of its inputs
+(``worker.step_inputs``), one flattened forward (a captured decode graph where one fits:
+``worker.graphs``) and one batched sampling call on the device (``worker.device_sampler``).
+``launch`` queues all of that without waiting; ``finish`` waits for the sampled ids, the one
+wait a step has (``worker.in_flight``), so the host prepares the next step meanwhile.
 
 Under tensor parallelism every rank builds a ``Worker`` over its ``Group``: each holds its shard
 of the model and its heads of the pool, and runs every step; rank 0 (the leader) first shares
@@ -12,31 +16,25 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import torch
 
-from protocol.messages import (
-    PROTOCOL_VERSION,
-    RowSummary,
-    Sample,
-    StepInput,
-    StepResult,
-    WorkerReady,
-)
+from protocol.messages import PROTOCOL_VERSION, RowSummary, StepInput, StepResult, WorkerReady
 from worker.attention import make_backend
 from worker.compiled.background import BackgroundCompile, start_compile
 from worker.config import WorkerConfig
 from worker.cpu.machine import bound_onednn_cache
 from worker.cpu.threads import ThreadGovernor
 from worker.grammar import grammar_masks
+from worker.in_flight import Launched
 from worker.loading import load, make_cache
 from worker.model.ops import ModelOps
 from worker.parallel import steps as tp_steps
 from worker.parallel.group import SOLO, Group
 from worker.plan import Plan
 from worker.rows import RowTable, written_blocks
-from worker.sampler import Sampler
-from worker.shapes import padded_count
+from worker.step_runner import StepRunner
 
 log = logging.getLogger("nanoserve.worker")
 
@@ -90,21 +88,36 @@ class Worker:
             head_dim=self.spec.head_dim,
             block_size=config.block_size,
         )
-        self.sampler = Sampler(self.eos_token_ids, self.plan.argmax)
+        self._in_flight: deque[Launched] = deque()
         self.compiled = None
         self.compile_job: BackgroundCompile | None = None
         if self.plan.compile == "inductor":
             self.compiled, self.compile_job = start_compile(self, background_compile)
+        self.runner = StepRunner(
+            model=self.model,
+            cache=self.cache,
+            attention=self.attention,
+            ops=self.ops,
+            plan=self.plan,
+            group=group,
+            vocab=self.spec.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            num_slots=config.num_slots,
+            max_model_len=self.max_model_len,
+            compiled=self._compiled,
+        )
+        self.sampler, self.graphs = self.runner.sampler, self.runner.graphs
         self._in_step = False
         self._step_ended = time.monotonic()
         self.cache.populate(self.compile_job.wait if self.compile_job else None, self._busy)
         self.grammar.wait_built()  # before the worker announces itself: no step waits for it
-        self.grammar.wait_built()  # before the worker announces itself: no step waits for it
 
     @property
     def decode_path(self) -> str:
-        """What decode steps run on: "eager", "compiling" (eagerly meanwhile), "compiled" or
-        "failed" (eagerly, the graphs could not be built)."""
+        """What decode steps run on: "eager", "graphs" (``worker.graphs``), "compiling"
+        (eagerly meanwhile), "compiled" or "failed" (eagerly, the graphs could not be built)."""
+        if self.graphs is not None:
+            return "graphs"
         if self.compiled is not None:
             return "compiled"
         job = self.compile_job
@@ -131,12 +144,7 @@ class Worker:
 
     def execute(self, step: StepInput) -> StepResult:
         """Run one step: release rows, compute every item, sample where asked."""
-        self._in_step = True
-        try:
-            return self.execute_with_logits(step)[0]
-        finally:
-            self._in_step = False
-            self._step_ended = time.monotonic()
+        return self.finish(self.launch(step))
 
     def _busy(self) -> bool:
         """Whether a step runs, or ran within ``IDLE_AFTER_S``: the KV pool's pages are backed
@@ -144,39 +152,76 @@ class Worker:
         steps."""
         return self._in_step or time.monotonic() - self._step_ended < IDLE_AFTER_S
 
-    def execute_with_logits(self, step: StepInput) -> tuple[StepResult, torch.Tensor]:
-        """``execute``, also returning the float32 logits (S, vocab) of the sampled items."""
+    def execute_with_logits(self, step: StepInput) -> tuple[StepResult, torch.Tensor | None]:
+        """``execute``, also returning the float32 logits (S, vocab) of the sampled items (on
+        the leader; None on the other ranks)."""
+        launched = self.launch(step)
+        result = self.finish(launched)
+        if launched.logits is None:
+            return result, torch.zeros(0, self.spec.vocab_size) if self.group.leader else None
+        return result, launched.logits.cpu()
+
+    def launch(self, step: StepInput) -> Launched:
+        """Check and apply a step to the rows, and queue its forward and sampling on the device
+        without waiting for them (``worker.in_flight``): ``finish`` each launched step, in
+        order. ValueError, changing nothing, for a step that breaks the row protocol."""
+        self._in_step = True
         began = time.perf_counter()
-        if self.group.leader and self.group.size > 1:
-            step = tp_steps.lead(self.group, step, self.row_table)
-        self.row_table.check(step, self.spec.vocab_size)
-        self.row_table.release(step.released_slots)
-        applied = [self.row_table.apply(item) for item in step.items]
-        bs = self.config.block_size
-        rows = [row for row, _ in applied]
-        self.cache.zero_blocks([b for item in step.items for b in written_blocks(item, bs)])
-        sampled = [(item, row) for item, row in zip(step.items, rows, strict=True) if item.sample]
-        if not self.group.leader:  # a rank other than the leader only computes its share
-            sampled = []
-        masks = self.grammar.start([row for _, row in sampled])  # filled during the forward
-        logits = self._forward(step, applied)
-        draws = self.sampler.sample(logits, [row for _, row in sampled], masks) if sampled else []
-        for (_, row), draw in zip(sampled, draws, strict=True):
-            row.last_sampled = draw.token_id  # stays here: the next step may feed it back
-        samples = [
-            Sample(
-                request_id=item.request_id,
-                token_id=draw.token_id,
-                logprob=draw.logprob,
-                top_logprobs=draw.top_logprobs,
-            )
-            for (item, _), draw in zip(sampled, draws, strict=True)
-        ]
+        try:
+            if self.group.leader and self.group.size > 1:
+                self.settle()  # the leader names every pending token to the other ranks
+                step = tp_steps.lead(self.group, step, self.row_table)
+            self.row_table.check(step, self.spec.vocab_size)
+            self.row_table.release(step.released_slots)
+            applied = [self.row_table.apply(item) for item in step.items]
+            bs = self.config.block_size
+            self.cache.zero_blocks([b for item in step.items for b in written_blocks(item, bs)])
+            pairs = zip(step.items, applied, strict=True)
+            sampled = [(item, row) for item, (row, _) in pairs if item.sample]
+            if not self.group.leader:  # a rank other than the leader only computes its share
+                sampled = []
+            for _, row in sampled:
+                row.sampled = True
+            rows = [row for _, row in sampled]
+            grammar = any(row.params.grammar is not None for row in rows)
+
+            def start_masks():
+                """The constrained rows' masks, filled in a thread (None: no such row)."""
+                if grammar:
+                    self.settle()  # a matcher follows the tokens its row was fed, on the host
+                return self.grammar.start(rows)
+
+            # Masks are filled while the forward runs: started before it when the tokens they
+            # need are back already (always, on the CPU), else once it is queued, so that
+            # waiting for them does not keep the device waiting too.
+            early = not grammar or all(launched.done() for launched in self._in_flight)
+            audit = self.rows() if step.audit else None
+            with torch.inference_mode():  # everything: compiled graphs guard on it
+                launched = self.runner.queue(step, applied, sampled, start_masks, early, audit)
+            launched.launch_s = time.perf_counter() - began
+            self._in_flight.append(launched)
+            return launched
+        finally:
+            self._in_step = False
+
+    def finish(self, launched: Launched) -> StepResult:
+        """The result of the oldest launched step, once its sampled ids are back."""
+        if not self._in_flight or self._in_flight[0] is not launched:
+            raise RuntimeError("launched steps finish in the order they were launched")
+        self._in_step = True
+        began = time.perf_counter()
+        try:
+            samples = launched.samples()
+        finally:
+            self._in_flight.popleft()
+            self._in_step = False
+            self._step_ended = time.monotonic()
+        masks = launched.masks
         result = StepResult(
-            step_id=step.step_id,
+            step_id=launched.step.step_id,
             samples=samples,
-            rows=self.rows() if step.audit else None,
-            forward_s=time.perf_counter() - began,
+            rows=launched.rows,
+            forward_s=launched.launch_s + time.perf_counter() - began,
             grammar_rows=len(masks.index) if masks else 0,
             grammar_fill_s=masks.fill_s if masks else 0.0,
             grammar_apply_s=masks.apply_s if masks else 0.0,
@@ -184,41 +229,18 @@ class Worker:
             num_threads=torch.get_num_threads(),
         )
         self.threads.after_step(result.forward_s)  # the next step may run on another count
-        return result, logits
+        return result
 
-    def _forward(self, step: StepInput, applied) -> torch.Tensor | None:
-        """One flattened forward over every item -> logits (S, vocab) of the sampled items (on
-        the leader; None on the other ranks). ``applied`` is each item's (row, tokens) from
-        ``RowTable.apply``."""
-        if not step.items:
-            return torch.zeros(0, self.spec.vocab_size)
-        ids, positions, last, spans = [], [], [], []
-        for item, (row, tokens) in zip(step.items, applied, strict=True):
-            ids.extend(tokens)
-            positions.extend(range(item.start, item.start + len(tokens)))
-            if item.sample:
-                last.append(len(ids) - 1)
-            spans.append((row.block_table, item.start, len(tokens)))
-        with torch.inference_mode():  # everything, the metadata too: compiled graphs guard on it
-            meta = self.attention.metadata(spans, trash_block=self.cache.trash_block)
-            # Padding tokens (id 0 at position 0) fill the step up to its bucketed size; so do
-            # copies of the first sampled row for the lm head (see worker.shapes).
-            padding = meta.num_tokens - len(ids)
-            ids.extend([0] * padding)
-            positions.extend([0] * padding)
-            sampled = last + last[:1] * (padded_count(len(last)) - len(last))
-            ids_t = torch.tensor(ids, device=self.plan.device)
-            pos_t = torch.tensor(positions, device=self.plan.device)
-            compiled = self._compiled()
-            if compiled is not None and compiled.accepts(meta):
-                hidden = compiled(ids_t, pos_t, meta)  # (T, hidden)
-            else:
-                hidden = self.model(ids_t, pos_t, meta, self.cache, self.attention, self.ops)
-            if not last:  # every rank knows it: the step is the same everywhere
-                return torch.zeros(0, self.spec.vocab_size) if self.group.leader else None
-            scores = self.model.logits(hidden[sampled])  # (S', vocab range) of this rank
-            logits = self.group.gather_vocab(scores, self.spec.vocab_size)
-            return None if logits is None else logits[: len(last)].cpu()  # (S, vocab)
+    def settle(self) -> None:
+        """Wait for every launched step's sampled ids and write them into the rows (their
+        results still go out in order, through ``finish``)."""
+        for launched in self._in_flight:
+            launched.resolve()
+
+    @property
+    def in_flight(self) -> int:
+        """Steps launched and not finished."""
+        return len(self._in_flight)
 
     def _compiled(self):
         """The compiled decode step, adopting the background job's once it is ready (here, in

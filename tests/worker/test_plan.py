@@ -158,17 +158,37 @@ def test_the_generic_path_cuda_and_tensor_parallel_ranks_keep_plain_weights(monk
     generic = _resolve(monkeypatch, flags=zen5, generic_path=True)
     assert (generic.attention, generic.argmax, generic.norm) == ("torch", "torch", "torch")
     assert all(str(choice) == "dense" for choice in generic.linears.values())
-    assert generic.compile == "eager" and generic.kv_pool == "host"
+    assert generic.compile == "cuda-graphs" and generic.kv_pool == "host"
+    assert not generic.pin_memory
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
     cuda = _resolve(monkeypatch, flags=zen5, device="cuda")
     assert (cuda.attention, cuda.prefill, cuda.kv_dtype) == ("triton", "kernel", "bfloat16")
-    assert dataclasses.replace(cuda, kv_pool="host", device="cpu", threads=generic.threads,
-                               adapt_threads=generic.adapt_threads, attention="torch",
-                               prefill="sdpa") == generic  # fmt: skip
-    assert cuda.kv_pool == "device" and not cuda.adapt_threads
+    as_cpu = dict(kv_pool="host", device="cpu", pin_memory=False, attention="torch", prefill="sdpa")
+    as_cpu.update(threads=generic.threads, adapt_threads=generic.adapt_threads)
+    assert dataclasses.replace(cuda, **as_cpu) == generic
+    assert cuda.kv_pool == "device" and not cuda.adapt_threads and cuda.pin_memory
     ranks = _resolve(monkeypatch, flags=zen5, group_size=2)
     assert all(choice.small is None for choice in ranks.linears.values())
     assert ranks.compile == "eager"
+    assert _resolve(monkeypatch, device="cuda", group_size=2).compile == "eager"
+
+
+@pytest.mark.parametrize(
+    "device,config,compiles",
+    [
+        ("cuda", {}, "cuda-graphs"),
+        ("cuda", dict(enforce_eager=True), "eager"),
+        ("cuda", dict(compile=False), "cuda-graphs"),  # --no-compile is the CPU's inductor
+        ("cpu", dict(generic_path=True, enforce_eager=True), "eager"),
+        ("cpu", dict(enforce_eager=True), "eager"),
+        ("cpu", dict(compile=False), "eager"),
+    ],
+)
+def test_cuda_graphs_by_default_and_enforce_eager_turns_them_off(
+    monkeypatch, device, config, compiles
+):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert _resolve(monkeypatch, device=device, **config).compile == compiles
 
 
 def test_cuda_keeps_torchs_attention_without_triton_or_on_the_generic_path(monkeypatch):
@@ -200,6 +220,8 @@ def test_a_triton_plan_on_cpu_runs_only_under_the_interpreter(tiny_dir, monkeypa
 def test_impossible_configs_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="compile runs on CPU only"):
         _resolve(monkeypatch, device="cuda", compile=True)
+    with pytest.raises(ValueError, match="enforce_eager runs every step eagerly"):
+        _resolve(monkeypatch, compile=True, enforce_eager=True)
     with pytest.raises(ValueError, match="kv_cache_dtype float16 needs"):
         _resolve(monkeypatch, flags=("avx2",), dtype="float32", kv_cache_dtype="float16",
                  generic_path=True)  # fmt: skip

@@ -26,17 +26,14 @@ import pytest
 import torch
 
 # Triton reads TRITON_INTERPRET when it is imported (its own library of kernels: tl.zeros,
-# tl.max, ...) and when triton.jit wraps ours, so it is set here, at collection, before anything
-# in the session imports triton. It stays set for the session: nothing else runs Triton on CPU.
+# tl.max, ...) and when triton.jit wraps ours: tests/conftest.py sets it for the session, before
+# anything imports triton, where there is no GPU.
 ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
 DEVICE = "cuda" if ON_GPU else "cpu"
 
+from protocol.messages import SamplingParams  # noqa: E402
 from tests.worker.conftest import hf_greedy, hf_model, make_worker  # noqa: E402
 from tests.worker.driver import Driver, Request  # noqa: E402
-
-from protocol.messages import SamplingParams  # noqa: E402
 from worker.attention import AttentionMetadata, DecodeRows, TorchBackend  # noqa: E402
 
 pytest.importorskip("triton")

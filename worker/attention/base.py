@@ -51,16 +51,21 @@ class AttentionBackend(ABC):
         self.kv_dtype = kv_dtype or dtype
 
     def metadata(
-        self, items: list[tuple[list[int], int, int]], *, trash_block: int | None = None
+        self,
+        items: list[tuple[list[int], int, int]],
+        *,
+        trash_block: int | None = None,
+        device: str | None = None,
     ) -> AttentionMetadata:
         """One step's metadata from ``(block_table, start, num_new)`` per item (see
-        ``AttentionMetadata.build``)."""
+        ``AttentionMetadata.build``), on ``device`` (default the backend's: the worker builds
+        it on the host and sends it with the step's other inputs, ``worker.step_pack``)."""
         return AttentionMetadata.build(
             items,
             block_size=self.block_size,
             n_kv_heads=self.n_kv_heads,
             dtype=self.dtype,
-            device=self.device,
+            device=device or self.device,
             trash_block=trash_block,
         )
 

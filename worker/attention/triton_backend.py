@@ -77,7 +77,11 @@ class TritonBackend(AttentionBackend):
         self.scale_log2 = self.head_dim**-0.5 * LOG2E
 
     def metadata(
-        self, items: list[tuple[list[int], int, int]], *, trash_block: int | None = None
+        self,
+        items: list[tuple[list[int], int, int]],
+        *,
+        trash_block: int | None = None,
+        device: str | None = None,
     ) -> AttentionMetadata:
         """See ``AttentionBackend.metadata``; with the prefill spans in one table too."""
         return AttentionMetadata.build(
@@ -85,7 +89,7 @@ class TritonBackend(AttentionBackend):
             block_size=self.block_size,
             n_kv_heads=self.n_kv_heads,
             dtype=self.dtype,
-            device=self.device,
+            device=device or self.device,
             trash_block=trash_block,
             batch_prefills=True,
         )

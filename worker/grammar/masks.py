@@ -54,6 +54,14 @@ class PendingMasks:
         once ``apply`` has waited for them."""
         return self._filled.result() if self._filled.done() else 0.0
 
+    def filled(self) -> np.ndarray:
+        """The bitmask, once filled: (len(index), words) int32, for the device sampler to unpack
+        where the scores are (``DeviceSampler.unpack``); the wait counts in ``apply_s``."""
+        began = time.perf_counter()
+        self._filled.result()
+        self.apply_s += time.perf_counter() - began
+        return self.bitmask
+
     def allowed(self) -> torch.Tensor:
         """(len(index), vocab) bool: which tokens each constrained row may take next."""
         self._filled.result()
