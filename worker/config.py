@@ -41,9 +41,10 @@ class WorkerConfig:
     core, and come back when it is free (``worker.cpu.threads``).
     ``generic_path``: run on CPU exactly the code CUDA runs: the torch attention backend, plain
     ``F.linear`` weights (no oneDNN packing, no 4-bit matrices) and torch's argmax, none of
-    ``worker.cpu.kernels``, and decode steps through the graph runner (``worker.graphs``), whose
-    CPU adapter replays each bucket's function eagerly. It tests that path where there is no GPU.
-    ``enforce_eager``: every step runs eagerly: no CUDA graphs (``worker.graphs``), no compiled
+    ``worker.cpu.kernels``, and decode steps through the graph runner (``worker.step.graphs``),
+    whose CPU adapter replays each bucket's function eagerly. It tests that path where there is no
+    GPU.
+    ``enforce_eager``: every step runs eagerly: no CUDA graphs (``worker.step.graphs``), no compiled
     CPU steps.
     """
 

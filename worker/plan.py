@@ -84,7 +84,7 @@ class Plan:
     compile: str  # decode steps: "eager" | "inductor" (worker.compiled) | "cuda-graphs" (.graphs)
     threads: int  # torch's intra-op threads
     adapt_threads: bool  # drop to one thread beside a busy neighbour (worker.cpu.threads)
-    pin_memory: bool = False  # step inputs and outputs in pinned host memory (worker.step_pack)
+    pin_memory: bool = False  # step inputs and outputs in pinned host memory (worker.step.pack)
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
@@ -259,7 +259,7 @@ def _onednn_packs(dtype: str) -> bool:
 
 def _compile(config: WorkerConfig, device: str, group_size: int) -> str:
     """``eager`` with ``enforce_eager``; ``cuda-graphs`` for the code CUDA runs with one rank (on
-    CUDA; on CPU's generic path the graph runner's adapter replays eagerly: ``worker.graphs``);
+    CUDA; on CPU's generic path the graph runner's adapter replays eagerly: ``worker.step.graphs``);
     ``inductor`` where asked, or by default where it pays (CPU, one rank, a torch that compiles
     the graph). ValueError where asked and impossible."""
     if config.compile and device != "cpu":

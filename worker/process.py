@@ -2,7 +2,7 @@
 
 The worker connects a DEALER socket to the scheduler's worker endpoint and then only answers:
 each StepInput gets exactly one StepResult, in order, with up to two steps in flight
-(``worker.step_loop``). A second thread sends a Heartbeat every
+(``worker.step.loop``). A second thread sends a Heartbeat every
 ``heartbeat_s`` on a socket of its own, busy or idle, so the scheduler can tell a dead (or hung)
 worker from a busy one; the beat names the main socket's identity. A SchedulerHello means
 "announce yourself": a new scheduler knows nothing of our rows, so they are all dropped first.
@@ -120,9 +120,9 @@ def _log_ready(worker, ready: WorkerReady) -> None:
 
 def _serve(channel: Channel, worker, stopping: list[int], poll_s: float, delay_s: float) -> int:
     """Answer the scheduler until Shutdown (or a signal lands in ``stopping``), two steps in
-    flight at most (``worker.step_loop``)."""
+    flight at most (``worker.step.loop``)."""
     from worker.compiled.background import step_first  # loaded with the worker (torch) by now
-    from worker.step_loop import StepLoop
+    from worker.step.loop import StepLoop
 
     loop = StepLoop(
         worker,

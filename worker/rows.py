@@ -26,8 +26,8 @@ class Row:
     history: list[int] = field(default_factory=list)  # every token fed into the row
     seed: int = 0
     sampled: bool = False  # whether the row's last step sampled: a PENDING_TOKEN may follow
-    last_sampled: int | None = None  # that sample, once the host has it (worker.in_flight)
-    penalty_state: object | None = None  # the reference sampler's counts (worker.sampler)
+    last_sampled: int | None = None  # that sample, once the host has it (worker.step.in_flight)
+    penalty_state: object | None = None  # the reference sampler's counts (worker.sampling.sampler)
     grammar_state: object | None = None  # its grammar's matcher (worker.grammar), likewise
 
     @property

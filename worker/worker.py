@@ -2,10 +2,10 @@
 
 The row contract (what each ``StepItem`` means for a slot's cache row) lives in ``worker.rows``;
 this class only turns a checked step into one packed copy of its inputs
-(``worker.step_inputs``), one flattened forward (a captured decode graph where one fits:
-``worker.graphs``) and one batched sampling call on the device (``worker.device_sampler``).
+(``worker.step.inputs``), one flattened forward (a captured decode graph where one fits:
+``worker.step.graphs``) and one batched sampling call on the device (``worker.sampling.device``).
 ``launch`` queues all of that without waiting; ``finish`` waits for the sampled ids, the one
-wait a step has (``worker.in_flight``), so the host prepares the next step meanwhile.
+wait a step has (``worker.step.in_flight``), so the host prepares the next step meanwhile.
 
 Under tensor parallelism every rank builds a ``Worker`` over its ``Group``: each holds its shard
 of the model and its heads of the pool, and runs every step; rank 0 (the leader) first shares
@@ -27,14 +27,14 @@ from worker.config import WorkerConfig
 from worker.cpu.machine import bound_onednn_cache
 from worker.cpu.threads import ThreadGovernor
 from worker.grammar import grammar_masks
-from worker.in_flight import Launched
 from worker.loading import load, make_cache
 from worker.model.ops import ModelOps
 from worker.parallel import steps as tp_steps
 from worker.parallel.group import SOLO, Group
 from worker.plan import Plan
 from worker.rows import RowTable, written_blocks
-from worker.step_runner import StepRunner
+from worker.step.in_flight import Launched
+from worker.step.runner import StepRunner
 
 log = logging.getLogger("nanoserve.worker")
 
@@ -114,7 +114,7 @@ class Worker:
 
     @property
     def decode_path(self) -> str:
-        """What decode steps run on: "eager", "graphs" (``worker.graphs``), "compiling"
+        """What decode steps run on: "eager", "graphs" (``worker.step.graphs``), "compiling"
         (eagerly meanwhile), "compiled" or "failed" (eagerly, the graphs could not be built)."""
         if self.graphs is not None:
             return "graphs"
@@ -163,7 +163,7 @@ class Worker:
 
     def launch(self, step: StepInput) -> Launched:
         """Check and apply a step to the rows, and queue its forward and sampling on the device
-        without waiting for them (``worker.in_flight``): ``finish`` each launched step, in
+        without waiting for them (``worker.step.in_flight``): ``finish`` each launched step, in
         order. ValueError, changing nothing, for a step that breaks the row protocol."""
         self._in_step = True
         began = time.perf_counter()

@@ -1,8 +1,9 @@
-"""The device sampler (``worker.device_sampler``) against the reference (``worker.sampler``):
-on the same logits and rows, over every option at once (temperature, top_k, top_p, min_p,
-repetition/presence/frequency penalties, logit_bias, min_tokens, seeds, logprobs and grammar
-masks), the same tokens and top alternatives, and logprobs within float rounding; its per-slot
-penalty state, folded step by step on the device, equals the reference's."""
+"""The device sampler (``worker.sampling.device``) against the reference
+(``worker.sampling.sampler``): on the same logits and rows, over every option at once
+(temperature, top_k, top_p, min_p, repetition/presence/frequency penalties, logit_bias,
+min_tokens, seeds, logprobs and grammar masks), the same tokens and top alternatives, and
+logprobs within float rounding; its per-slot penalty state, folded step by step on the device,
+equals the reference's."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ import pytest
 import torch
 
 from protocol.messages import SamplingParams
-from worker.device_sampler import DeviceSampler
 from worker.grammar import PendingMasks
-from worker.penalties import has_penalties, pack_folds
 from worker.rows import Row
-from worker.sampler import Sampler
-from worker.sampling_inputs import pack_sampling
-from worker.step_pack import Staging
+from worker.sampling.device import DeviceSampler
+from worker.sampling.inputs import pack_sampling
+from worker.sampling.penalties import has_penalties, pack_folds
+from worker.sampling.sampler import Sampler
+from worker.step.pack import Staging
 
 VOCAB = 67  # not a multiple of 32: the masks' last word is partial
 EOS = [2, 5]

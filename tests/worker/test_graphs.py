@@ -1,4 +1,4 @@
-"""Decode graphs (``worker.graphs``) on the CPU, whose adapter replays each captured function
+"""Decode graphs (``worker.step.graphs``) on the CPU, whose adapter replays each captured function
 eagerly on the same persistent buffers: the buckets and widths, which steps replay and which
 run eagerly, padded rows that write only the trash block and are never sampled, the block
 tables kept on the device, and tokens and logits equal to the eager path's."""
@@ -11,8 +11,8 @@ import torch
 from protocol.messages import SamplingParams, StepItem
 from tests.worker.conftest import make_worker
 from tests.worker.driver import Driver, Request, greedy_requests
-from worker import graphs as graphs_module
-from worker.graph_adapters import EagerReplay
+from worker.step import graphs as graphs_module
+from worker.step.graph_adapters import EagerReplay
 
 PROMPTS = [[1, 17, 42, 99, 3], [1, 200, 201, 5, 6, 7, 8, 9, 10], [1, 55], [1, 30, 31, 32, 33]]
 
@@ -142,7 +142,7 @@ def test_rows_wider_than_every_graph_run_eagerly(tiny_dir, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_tokens_equal_eager_tokens_on_cuda(tiny_dir, dtype):
     """Captured CUDA graphs, replayed: the tokens of the eager CUDA path."""
-    from worker.graph_adapters import CudaGraphs
+    from worker.step.graph_adapters import CudaGraphs
 
     graphed = make_worker(tiny_dir, device="cuda", dtype=dtype)
     assert graphed.plan.compile == "cuda-graphs" and isinstance(graphed.graphs.adapter, CudaGraphs)

@@ -19,7 +19,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from tests.tiny_model import write_byte_tokenizer
 from tests.worker.conftest import make_worker
-from worker.fences import FENCES, Fence
+from worker.step.fences import FENCES, Fence
 
 
 def item(**overrides) -> StepItem:

@@ -12,7 +12,7 @@ from protocol.messages import SamplingParams
 from tests.worker.conftest import make_worker
 from tests.worker.driver import Driver, Request
 from worker.rows import Row
-from worker.sampler import Sampler, filtered_probs
+from worker.sampling.sampler import Sampler, filtered_probs
 
 
 def row(history=(), prompt_len=0, seed=7, **params) -> Row:

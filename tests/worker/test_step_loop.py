@@ -1,4 +1,4 @@
-"""The worker process's step loop (``worker.process._serve`` with ``worker.step_loop``) on real
+"""The worker process's step loop (``worker.process._serve`` with ``worker.step.loop``) on real
 sockets: with the device still busy on step N it launches step N+1 (two in flight), answers
 each step once and in order when its sampled ids are back, answers a refused step with an
 error in its turn, and answers every step sent before a SchedulerHello before it announces
@@ -27,7 +27,7 @@ from protocol.messages import (
 )
 from tests.worker.conftest import make_worker
 from worker import process
-from worker.fences import FENCES, Fence
+from worker.step.fences import FENCES, Fence
 
 
 class GatedFence(Fence):

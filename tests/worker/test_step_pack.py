@@ -1,4 +1,4 @@
-"""Packed step inputs (``worker.step_pack``): every array comes back as it went in, from one
+"""Packed step inputs (``worker.step.pack``): every array comes back as it went in, from one
 copy; a staging buffer is written again only once the copy that read it is done; outputs come
 back in one copy; and a worker's step crosses to the device in exactly one copy."""
 
@@ -10,9 +10,9 @@ import torch
 from protocol.messages import SamplingParams
 from tests.worker.conftest import make_worker
 from tests.worker.driver import Driver, Request
-from worker import step_pack
-from worker.fences import Fence
-from worker.step_pack import ALIGN, Staging, download
+from worker.step import pack as step_pack
+from worker.step.fences import Fence
+from worker.step.pack import ALIGN, Staging, download
 
 
 def test_every_array_comes_back_as_it_went_in():

@@ -59,7 +59,7 @@ class AttentionBackend(ABC):
     ) -> AttentionMetadata:
         """One step's metadata from ``(block_table, start, num_new)`` per item (see
         ``AttentionMetadata.build``), on ``device`` (default the backend's: the worker builds
-        it on the host and sends it with the step's other inputs, ``worker.step_pack``)."""
+        it on the host and sends it with the step's other inputs, ``worker.step.pack``)."""
         return AttentionMetadata.build(
             items,
             block_size=self.block_size,

@@ -3,7 +3,7 @@
 A decode step's work is fixed by two numbers: its rows, padded to a batch bucket
 (``worker.shapes.padded_count``, up to the slot count), and the widest block table it reads.
 At start, one function per (bucket, width) runs the model over persistent input buffers, and
-the adapter captures it (``worker.graph_adapters``: a CUDA graph; on the CPU the function
+the adapter captures it (``worker.step.graph_adapters``: a CUDA graph; on the CPU the function
 itself). A step that fits (decodes only, at most the biggest bucket, no row wider than the
 widest width) fills the buffers and replays its key; anything else runs eagerly.
 
@@ -27,14 +27,14 @@ import torch
 from protocol.blocks import blocks_for
 from protocol.messages import StepItem
 from worker.attention import AttentionBackend, AttentionMetadata
-from worker.block_tables import BlockTables
-from worker.graph_adapters import ADAPTERS
 from worker.kv.cache import KVCache
 from worker.model.llama import LlamaModel
 from worker.model.ops import ModelOps
 from worker.rows import Row
 from worker.shapes import padded_count
-from worker.step_pack import HostPack, Packed
+from worker.step.block_tables import BlockTables
+from worker.step.graph_adapters import ADAPTERS
+from worker.step.pack import HostPack, Packed
 
 log = logging.getLogger("nanoserve.worker")
 

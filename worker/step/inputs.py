@@ -4,7 +4,7 @@ together on the device from the pack's views.
 Every item's tokens go end to end (``ids``), with their positions; a pending token
 (``PENDING_TOKEN``) is a 0 there and names its slot in ``feed``, and the device puts the
 slot's latest sample in its place (``DeviceSampler.fed``): the host never needs that token. A
-step that fits a decode graph (``worker.graphs``) is padded to its bucket and carries its rows'
+step that fits a decode graph (``worker.step.graphs``) is padded to its bucket and carries its rows'
 slots, cached lengths and write positions; any other carries its attention metadata, built on
 the host (``AttentionBackend.metadata``) and packed tensor by tensor (``add_tree``), so the
 whole step still crosses in one copy.
@@ -20,10 +20,10 @@ import torch
 
 from protocol.messages import PENDING_TOKEN, StepItem
 from worker.attention import AttentionBackend, AttentionMetadata
-from worker.graphs import DecodeGraphs, Key
 from worker.rows import Row
 from worker.shapes import padded_count
-from worker.step_pack import HostPack, Packed
+from worker.step.graphs import DecodeGraphs, Key
+from worker.step.pack import HostPack, Packed
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """``DeviceSampler``: one step's sampling as batched tensor operations, where the logits are.
 
-It computes what ``worker.sampler.Sampler`` (the reference) computes, row for row, without a
-Python loop over rows and without asking the device anything: the per-row parameters come in
-the step's pack (``worker.sampling_inputs``), penalties read per-slot state kept on the device
-(``worker.penalties``), and what the host needs back (the sampled ids, and the logprobs asked
-for) leaves in one copy that does not block (``worker.step_pack.download``).
+It computes what ``worker.sampling.sampler.Sampler`` (the reference) computes, row for row, without
+a Python loop over rows and without asking the device anything: the per-row parameters come in
+the step's pack (``worker.sampling.inputs``), penalties read per-slot state kept on the device
+(``worker.sampling.penalties``), and what the host needs back (the sampled ids, and the logprobs
+asked for) leaves in one copy that does not block (``worker.step.pack.download``).
 
 Order per row, as the reference: repetition, presence and frequency penalties, logit_bias and
 min_tokens on the raw logits, then the grammar's mask; greedy rows take the argmax, the others
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.penalties import SlotPenalties
-from worker.sampler import ARGMAX, draw_tokens
-from worker.sampling_inputs import SamplingPlan
-from worker.step_pack import Packed
+from worker.sampling.inputs import SamplingPlan
+from worker.sampling.penalties import SlotPenalties
+from worker.sampling.sampler import ARGMAX, draw_tokens
+from worker.step.pack import Packed
 
 
 @dataclass(frozen=True)

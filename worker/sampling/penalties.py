@@ -8,9 +8,9 @@ the token the previous step sampled, which the host has not seen yet. A fresh ro
 cleared first, and its prefix-cache hits (tokens that are never fed) come from the host. The
 state is rebuilt from the scheduler's tokens whenever a row is begun again, so a preemption or a
 new worker costs recompute only. ``apply`` then adjusts the sampled rows' scores as
-``worker.sampler`` does, one batched operation per kind.
+``worker.sampling.sampler`` does, one batched operation per kind.
 
-Host side (``pack_folds``): what to fold, as packed arrays (``worker.step_pack``).
+Host side (``pack_folds``): what to fold, as packed arrays (``worker.step.pack``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from protocol.messages import StepItem
 from worker.rows import Row
-from worker.step_pack import HostPack, Packed
+from worker.step.pack import HostPack, Packed
 
 
 def has_penalties(row: Row) -> bool:

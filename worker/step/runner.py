@@ -2,12 +2,12 @@
 
 For each step the worker has checked and applied to its rows, ``queue``:
 
-1. packs everything the step needs (``worker.step_inputs``, the block tables' changes, the
+1. packs everything the step needs (``worker.step.inputs``, the block tables' changes, the
    penalty rows' tokens, the sampled rows' parameters) and sends it in one copy
-   (``worker.step_pack``);
+   (``worker.step.pack``);
 2. feeds each pending token from the device's own copy of its row's last sample, and folds the
-   step's tokens into the penalty rows' state, on the device (``worker.device_sampler``);
-3. runs the forward: a captured decode graph where one fits (``worker.graphs``), the compiled
+   step's tokens into the penalty rows' state, on the device (``worker.sampling.device``);
+3. runs the forward: a captured decode graph where one fits (``worker.step.graphs``), the compiled
    CPU step where it accepts the step (``worker.compiled``), else the eager model;
 4. samples on the device, and starts the samples' copy back (``Launched``).
 
@@ -23,15 +23,15 @@ from collections.abc import Callable
 import torch
 
 from protocol.messages import StepInput
-from worker.device_sampler import DeviceSampler
-from worker.fences import DoneFence
 from worker.grammar import PendingMasks
-from worker.graphs import DecodeGraphs
-from worker.in_flight import Launched
-from worker.penalties import pack_folds, penalty_folds
-from worker.sampling_inputs import pack_sampling
-from worker.step_inputs import StepInputs
-from worker.step_pack import Packed, Staging, download
+from worker.sampling.device import DeviceSampler
+from worker.sampling.inputs import pack_sampling
+from worker.sampling.penalties import pack_folds, penalty_folds
+from worker.step.fences import DoneFence
+from worker.step.graphs import DecodeGraphs
+from worker.step.in_flight import Launched
+from worker.step.inputs import StepInputs
+from worker.step.pack import Packed, Staging, download
 
 
 class StepRunner:

@@ -1,6 +1,6 @@
 """``BlockTables``: every slot's block table, kept on the device and updated in place.
 
-A captured decode step (``worker.graphs``) reads its rows' block tables from a persistent
+A captured decode step (``worker.step.graphs``) reads its rows' block tables from a persistent
 buffer. Building each row's whole table on the host every step would cost time and bytes in
 proportion to the contexts; instead the tables live on the device, (num_slots + 1, width), and
 each step sends only what changed: the blocks its items join to their rows (``pack_updates``),
@@ -18,7 +18,7 @@ import torch
 from protocol.blocks import blocks_for
 from protocol.messages import StepItem
 from worker.rows import Row
-from worker.step_pack import HostPack, Packed
+from worker.step.pack import HostPack, Packed
 
 
 class BlockTables:

@@ -1,17 +1,17 @@
 """What one step's sampled rows ask of the sampler, as packed arrays (the host's half).
 
 Each sampled row's parameters become entries of a few arrays in the step's pack
-(``worker.step_pack``): the rows that draw (with their temperature, top_k, top_p, min_p and the
+(``worker.step.pack``): the rows that draw (with their temperature, top_k, top_p, min_p and the
 uniform their seed gives), the rows with a repetition penalty, with presence or frequency
 penalties, each logit_bias entry, each token min_tokens bans, the rows that want logprobs and
-the constrained rows. ``DeviceSampler`` (``worker.device_sampler``) runs each kind as one
+the constrained rows. ``DeviceSampler`` (``worker.sampling.device``) runs each kind as one
 batched operation over its rows; a kind no row asks for costs nothing. What decides which
 operations run (is any row drawing? adjusted? constrained?) is known here, on the host, so the
 device never has to be asked.
 
 Indices are positions among the step's sampled rows, in order. The uniforms come from
-``(seed, output index)`` exactly as ``worker.sampler`` draws them, so a row's token depends on
-neither the rest of the batch nor on whether its cache was recomputed.
+``(seed, output index)`` exactly as ``worker.sampling.sampler`` draws them, so a row's token depends
+on neither the rest of the batch nor on whether its cache was recomputed.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from worker.rows import Row
-from worker.sampler import seeded_uniform
-from worker.step_pack import HostPack
+from worker.sampling.sampler import seeded_uniform
+from worker.step.pack import HostPack
 
 MAX_TOP_LOGPROBS = 20  # the sampler never returns more alternatives (protocol.params)
 
@@ -67,7 +67,7 @@ def pack_sampling(
             draw.append(i)
             temps.append(params.temperature)
             top_k.append(vocab if params.top_k is None else min(params.top_k, vocab))
-            # top_p >= 1 is "off": cumsum rounding must not trim the tail (worker.sampler)
+            # top_p >= 1 is "off": cumsum rounding must not trim the tail (worker.sampling.sampler)
             top_p.append(params.top_p if params.top_p < 1 else float("inf"))
             min_p.append(params.min_p)
             uniforms.append(seeded_uniform(row))

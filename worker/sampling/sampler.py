@@ -1,7 +1,7 @@
 """``Sampler``: the reference sampler, one row at a time in plain torch, and the numerics the
 worker's own sampler shares with it.
 
-The worker samples with ``worker.device_sampler.DeviceSampler``, the same computation as batched
+The worker samples with ``worker.sampling.device.DeviceSampler``, the same computation as batched
 operations on the device; tests/worker/test_device_sampler.py holds it to this one's tokens. Both
 draw with ``draw_tokens``, greedy rows take the plan's ``ARGMAX``, and uniforms come from
 ``seeded_uniform``.

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from worker.fences import FENCES, Fence
+from worker.step.fences import FENCES, Fence
 
 ALIGN = 64  # bytes: every array starts at a multiple of it (a cache line; any element size)
 _GROWTH = 2  # a buffer too small is replaced by one this many times the bytes asked for

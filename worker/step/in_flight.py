@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from protocol.messages import PENDING_TOKEN, RowSummary, Sample, StepInput, StepItem
-from worker.fences import Fence
 from worker.grammar import PendingMasks
 from worker.rows import Row
-from worker.sampling_inputs import SamplingPlan
+from worker.sampling.inputs import SamplingPlan
+from worker.step.fences import Fence
 
 
 @dataclass

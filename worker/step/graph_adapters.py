@@ -1,4 +1,4 @@
-"""How a decode graph is captured and replayed: the only part of ``worker.graphs`` that differs
+"""How a decode graph is captured and replayed: the only part of ``worker.step.graphs`` that differs
 by device, chosen by the plan's device (``ADAPTERS``).
 
 ``CudaGraphs`` captures each bucket's function into a CUDA graph (all of them in one memory
