@@ -63,6 +63,26 @@ MIRRORED = (
         "grammar_tokens_total",
     ),
     (
+        "nanoserve:num_requests_waiting_for_grammar",
+        "Requests held until the worker has compiled their grammar (also in num_requests_waiting)",
+        "num_waiting_for_grammar",
+    ),
+    (
+        "nanoserve:grammar_holds_total",
+        "Requests held until the worker had compiled their grammar",
+        "grammar_holds_total",
+    ),
+    (
+        "nanoserve:grammar_compile_seconds_total",
+        "Seconds the worker spent compiling grammars asked ahead of their requests",
+        "grammar_compile_s_total",
+    ),
+    (
+        "nanoserve:grammar_step_compiles_total",
+        "Grammars the worker compiled in a step's path (a row resumed on a new worker)",
+        "grammar_step_compiles_total",
+    ),
+    (
         "nanoserve:grammar_mask_fill_seconds_total",
         "Seconds the worker's mask thread spent on grammar masks, beside the forward",
         "grammar_fill_s_total",

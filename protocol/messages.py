@@ -21,7 +21,7 @@ import msgspec
 from protocol.params import SamplingParams
 from protocol.stats import EngineStats
 
-PROTOCOL_VERSION = 5  # 5: the monitor feed's pool as PoolStates (one byte per block)
+PROTOCOL_VERSION = 6  # 6: grammars compile before their requests run (CompileGrammar)
 
 PENDING_TOKEN = -1
 """A token the scheduler has not seen yet: the one the worker sampled for this row in the
@@ -87,7 +87,19 @@ class SchedulerHello(Message):
     protocol_version: int = PROTOCOL_VERSION
 
 
-SchedulerToWorker = StepInput | Shutdown | SchedulerHello
+class CompileGrammar(Message):
+    """Compile ``grammar`` now, off the step path, and say so with ``GrammarCompiled``.
+
+    The scheduler holds a constrained request back until the worker has compiled its grammar
+    (vLLM's ``WAITING_FOR_FSM``): a compile then never delays a step that serves others.
+    ``key``: the scheduler's name for the grammar (``scheduler.grammar_gate.grammar_key``).
+    """
+
+    key: str
+    grammar: str
+
+
+SchedulerToWorker = StepInput | Shutdown | SchedulerHello | CompileGrammar
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,6 +148,9 @@ class StepResult(Message):
     grammar_apply_s: float = 0.0
     decode_path: str = ""  # "eager", "graphs", "compiling", "compiled", "failed" (Worker's)
     num_threads: int = 0  # the worker's intra-op threads after the step (worker.cpu.threads)
+    # grammars compiled in this step's mask fill, on its path: ones the scheduler did not hold
+    # back (a row resumed on a new worker, one the worker's cache had dropped)
+    grammar_compiles: int = 0
 
 
 class WorkerReady(Message):
@@ -171,7 +186,21 @@ class Heartbeat(Message):
     stats: EngineStats | None = None
 
 
-WorkerToScheduler = StepResult | WorkerReady | Heartbeat
+class GrammarCompiled(Message):
+    """A ``CompileGrammar`` done: ``key``'s grammar is compiled and cached in the worker.
+
+    Sent, like heartbeats, from the worker's second socket (the main one only answers steps),
+    so ``sender`` names the main socket's identity. ``error``: why it does not compile ("" when
+    it does); its requests run anyway, and the mask then allows only EOS.
+    """
+
+    sender: str
+    key: str
+    error: str = ""
+    seconds: float = 0.0
+
+
+WorkerToScheduler = StepResult | WorkerReady | Heartbeat | GrammarCompiled
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,6 +32,11 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     - ``grammar_tokens_total``: tokens sampled under a grammar; ``grammar_fill_s_total``: the
       worker's time filling their masks (beside the forward); ``grammar_apply_s_total``: its
       time waiting for and applying them (in the step's path).
+    - ``num_waiting_for_grammar``: requests held until the worker has compiled their grammar
+      (``scheduler.grammar_gate``; counted in ``num_waiting`` too); ``grammar_holds_total``:
+      requests held so; ``grammar_compile_s_total``: the worker's seconds compiling their
+      grammars, off the step path; ``grammar_step_compiles_total``: grammars compiled in a
+      step's path instead (a row resumed on a new worker).
     - ``worker_decode_path``: what the worker's decode steps run on, as its last step said:
       "eager", "graphs" (CUDA graphs), "compiling" (eagerly meanwhile), "compiled", "failed"
       ("" before any step).
@@ -63,3 +68,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     worker_threads: int = 0
     worker_thread_switches_total: int = 0
     scheduler_cpu_s_total: float = 0.0
+    num_waiting_for_grammar: int = 0
+    grammar_holds_total: int = 0
+    grammar_compile_s_total: float = 0.0
+    grammar_step_compiles_total: int = 0

@@ -11,6 +11,10 @@ in order, which is what makes it safe to free blocks while a step is in flight: 
 finished request's blocks return at once, and a block handed out again is written only by a
 later step. Results are applied oldest first; a sample whose request has finished, been aborted
 or been preempted since its step was planned is surplus and dropped.
+
+With ``gate_grammars`` (the scheduler process's engine) a constrained request waits outside the
+queues until the worker has compiled its grammar (``scheduler.grammar_gate``): ``add_request``
+holds it, ``grammar_compiled`` queues it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Protocol
 import msgspec
 
 from protocol.messages import (
+    AddRequest,
+    CompileGrammar,
     EngineStats,
     RequestOutput,
     RowSummary,
@@ -34,6 +40,7 @@ from scheduler.batch import Batch, request_output, step_item
 from scheduler.block_allocator import BlockAllocator
 from scheduler.config import SchedulerConfig
 from scheduler.errors import RequestRejected
+from scheduler.grammar_gate import GrammarGate
 from scheduler.in_process import InProcessRuns
 from scheduler.kv_events import KvEventLog
 from scheduler.scheduler import Scheduler
@@ -62,8 +69,10 @@ class Engine(InProcessRuns):
         config: SchedulerConfig,
         worker: WorkerLike | None = None,
         allocator: BlockAllocator | None = None,
+        gate_grammars: bool = False,
     ) -> None:
         self.config = config
+        self.grammars = GrammarGate() if gate_grammars else None
         self.worker = worker
         self.ready_info: WorkerReady | None = None
         self.scheduler: Scheduler = None  # type: ignore[assignment]  # until fit(): see fitted
@@ -78,6 +87,7 @@ class Engine(InProcessRuns):
         self._steps_applied = 0
         self._busy_s = 0.0
         self._grammar = (0, 0.0, 0.0)  # tokens, fill seconds, apply seconds (EngineStats)
+        self._grammar_step_compiles = 0  # grammars compiled in a step's path (EngineStats)
 
     @classmethod
     def for_worker(
@@ -98,21 +108,56 @@ class Engine(InProcessRuns):
         cached prefix blocks only with requests of the same ``cache_salt``."""
         if not self.fitted:
             raise RequestRejected("no worker has announced itself yet")
-        self.scheduler.add_request(
-            request_id, prompt_token_ids, params or SamplingParams(), cache_salt
-        )
+        params = params or SamplingParams()
+        if self.grammars is not None and params.grammar is not None:
+            add = AddRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                params=params,
+                cache_salt=cache_salt,
+            )
+            if self.grammars.hold(add):
+                return  # queued once the worker has compiled its grammar
+        self.scheduler.add_request(request_id, prompt_token_ids, params, cache_salt)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Drop a request wherever it is (None if it is unknown or already finished)."""
-        request = self.scheduler.abort(request_id) if self.fitted else None
-        if request is None:
+        held = self.grammars.drop(request_id) if self.grammars is not None else None
+        request = self.scheduler.abort(request_id) if self.fitted and held is None else None
+        if held is None and request is None:
             return None
         return RequestOutput(
             request_id=request_id,
             new_token_ids=[],
             finish_reason="abort",
-            num_prompt_tokens=request.num_prompt_tokens,
+            num_prompt_tokens=len(held.prompt_token_ids) if held else request.num_prompt_tokens,
         )
+
+    def grammar_asks(self) -> list[CompileGrammar]:
+        """The grammars to ask the worker to compile now (none without ``gate_grammars``)."""
+        return self.grammars.to_ask() if self.grammars is not None else []
+
+    def grammar_compiled(self, key: str, seconds: float = 0.0) -> list[RequestOutput]:
+        """The worker compiled ``key``'s grammar: its requests join the waiting queue. Returns
+        the ends of those the scheduler refuses (their checks ran only now)."""
+        if self.grammars is None:
+            return []
+        ended = []
+        for add in self.grammars.compiled(key, seconds):
+            try:
+                self.scheduler.add_request(
+                    add.request_id, list(add.prompt_token_ids), add.params, add.cache_salt
+                )
+            except ValueError as exc:
+                ended.append(
+                    RequestOutput(
+                        request_id=add.request_id,
+                        new_token_ids=[],
+                        finish_reason="error",
+                        error=str(exc),
+                    )
+                )
+        return ended
 
     @property
     def fitted(self) -> bool:
@@ -147,11 +192,19 @@ class Engine(InProcessRuns):
             self.scheduler.cache.clear()  # the old pool and its index are gone
         self.scheduler, self.ready_info = scheduler, ready
         scheduler.cache.record(self.kv_events)
+        if self.grammars is not None:
+            self.grammars.worker_changed()
+            ended += [
+                RequestOutput(request_id=rid, new_token_ids=[], finish_reason="error", error=why)
+                for rid in self.grammars.drop_all()
+            ]
         return ended
 
     def worker_lost(self) -> None:
         """Forget the steps in flight and every cache row: running requests recompute later."""
         self._in_flight.clear()
+        if self.grammars is not None:
+            self.grammars.worker_changed()
         if self.fitted:
             self.scheduler.preempt_all()
 
@@ -208,6 +261,7 @@ class Engine(InProcessRuns):
             fill + result.grammar_fill_s,
             apply + result.grammar_apply_s,
         )
+        self._grammar_step_compiles += result.grammar_compiles
         samples = {s.request_id: s for s in result.samples}
         outputs = []
         scheduler = self.scheduler
@@ -244,14 +298,23 @@ class Engine(InProcessRuns):
             grammar_tokens_total=self._grammar[0],
             grammar_fill_s_total=self._grammar[1],
             grammar_apply_s_total=self._grammar[2],
+            grammar_step_compiles_total=self._grammar_step_compiles,
         )
+        gate = self.grammars
+        if gate is not None:
+            stats = msgspec.structs.replace(
+                stats,
+                num_waiting_for_grammar=gate.num_held,
+                grammar_holds_total=gate.holds_total,
+                grammar_compile_s_total=gate.compile_s_total,
+            )
         if not self.fitted:
             return stats
         s = self.scheduler
         return msgspec.structs.replace(
             stats,
             num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            num_waiting=len(s.waiting) + stats.num_waiting_for_grammar,
             kv_blocks_used=s.allocator.num_blocks - s.allocator.num_free,
             kv_blocks_total=s.allocator.num_blocks,
             num_preemptions_total=s.num_preemptions_total,

@@ -58,7 +58,9 @@ class SchedulerProcess:
         self.context = zmq.Context()
         worker_channel = Channel(self._bind(addresses.worker), WorkerToScheduler)
         frontend_channel = Channel(self._bind(addresses.frontend), FrontendToScheduler)
-        self.engine = Engine(None, config)  # sized when the first worker announces itself
+        # sized when the first worker announces itself; constrained requests wait for their
+        # grammar's compile outside the queues (scheduler.grammar_gate)
+        self.engine = Engine(None, config, gate_grammars=True)
         self.workers = WorkerSide(worker_channel, self.engine)
         self.frontends = FrontendSide(frontend_channel, self.engine, self.workers)
         self.liveness = Liveness(

@@ -20,6 +20,7 @@ from protocol.channel import Channel
 from protocol.messages import (
     PROTOCOL_VERSION,
     EngineStats,
+    GrammarCompiled,
     Heartbeat,
     RequestOutput,
     SchedulerHello,
@@ -130,6 +131,8 @@ class WorkerSide:
                 return self._step_done(peer, message)
             case Heartbeat():
                 self._heartbeat(message)
+            case GrammarCompiled():
+                return self._grammar_compiled(message)
         return None
 
     def bad(self, what: str) -> None:
@@ -144,6 +147,17 @@ class WorkerSide:
             self.worker.last_seen = time.monotonic()
         else:
             self._greet(identity)
+
+    def _grammar_compiled(self, compiled: GrammarCompiled) -> WorkerNews | None:
+        """The worker compiled a grammar (from its second socket, like heartbeats): the
+        requests held for it are queued."""
+        worker = self.worker
+        if worker is None or compiled.sender.encode() != worker.peer:
+            return None  # a lost worker's: the next one is asked again
+        worker.last_seen = time.monotonic()
+        if compiled.error:
+            log.warning("the worker could not compile grammar %s: %s", compiled.key, compiled.error)
+        return WorkerNews(outputs=self._engine.grammar_compiled(compiled.key, compiled.seconds))
 
     def _greet(self, peer: bytes) -> None:
         """Ask a worker we do not know (we restarted, or it did) to announce itself, once a
@@ -244,6 +258,8 @@ class WorkerSide:
         engine, worker = self._engine, self.worker
         if worker is None:
             return
+        for ask in engine.grammar_asks():  # compiled beside the steps, in a worker thread
+            self.channel.send(ask, worker.peer)
         while self.can_step():
             started = time.thread_time()
             step = engine.plan()

@@ -4,8 +4,10 @@ The worker connects a DEALER socket to the scheduler's worker endpoint and then 
 each StepInput gets exactly one StepResult, in order, with up to two steps in flight
 (``worker.step.loop``). A second thread sends a Heartbeat every
 ``heartbeat_s`` on a socket of its own, busy or idle, so the scheduler can tell a dead (or hung)
-worker from a busy one; the beat names the main socket's identity. A SchedulerHello means
-"announce yourself": a new scheduler knows nothing of our rows, so they are all dropped first.
+worker from a busy one; the beat names the main socket's identity. The same thread sends each
+GrammarCompiled as soon as a CompileGrammar's compile (in a compile thread) ends. A
+SchedulerHello means "announce yourself": a new scheduler knows nothing of our rows, so they
+are all dropped first.
 SIGTERM or SIGINT ends it cleanly (exit 0) between steps.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import threading
 import time
@@ -24,6 +27,8 @@ from protocol.addresses import Addresses
 from protocol.channel import BadMessage, Channel
 from protocol.messages import (
     PROTOCOL_VERSION,
+    CompileGrammar,
+    GrammarCompiled,
     Heartbeat,
     SchedulerHello,
     SchedulerToWorker,
@@ -69,15 +74,17 @@ def run_worker(
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, _frame: stopping.append(number))
     beats = threading.Event()
+    news: queue.SimpleQueue[GrammarCompiled] = queue.SimpleQueue()  # for the heartbeat thread
     heart = threading.Thread(
         target=_heartbeats,
-        args=(context, addresses.worker, identity, heartbeat_s, beats),
+        args=(context, addresses.worker, identity, heartbeat_s, beats, news),
         name="heartbeats",
         daemon=True,
     )
     heart.start()
     try:
-        code = _serve(channel, worker, stopping, heartbeat_s, step_delay_s)
+        compiled = _grammar_news(identity, news)
+        code = _serve(channel, worker, stopping, heartbeat_s, step_delay_s, compiled)
         log.info("stopped (%s)", f"signal {stopping[0]}" if stopping else "shutdown")
         worker.close()  # the other ranks too (a failed collective raises past this instead)
         return code
@@ -118,9 +125,30 @@ def _log_ready(worker, ready: WorkerReady) -> None:
         )
 
 
-def _serve(channel: Channel, worker, stopping: list[int], poll_s: float, delay_s: float) -> int:
+def _grammar_news(identity: str, news: queue.SimpleQueue):
+    """The callback of one CompileGrammar: its GrammarCompiled, queued for the heartbeat
+    thread."""
+
+    def compiled(key: str):
+        def done(error: str, seconds: float) -> None:
+            news.put(GrammarCompiled(sender=identity, key=key, error=error, seconds=seconds))
+
+        return done
+
+    return compiled
+
+
+def _serve(
+    channel: Channel,
+    worker,
+    stopping: list[int],
+    poll_s: float,
+    delay_s: float,
+    compiled=None,
+) -> int:
     """Answer the scheduler until Shutdown (or a signal lands in ``stopping``), two steps in
-    flight at most (``worker.step.loop``)."""
+    flight at most (``worker.step.loop``). ``compiled(key)``: the callback that reports the
+    compile of CompileGrammar ``key``."""
     from worker.compiled.background import step_first  # loaded with the worker (torch) by now
     from worker.step.loop import StepLoop
 
@@ -159,6 +187,8 @@ def _serve(channel: Channel, worker, stopping: list[int], poll_s: float, delay_s
                         message.protocol_version,
                         PROTOCOL_VERSION,
                     )
+                case CompileGrammar() if compiled is not None:
+                    worker.grammar.compile(message.grammar, compiled(message.key))
                 case SchedulerHello():
                     loop.answer_all()  # the steps sent before it are answered first
                     worker.reset()
@@ -174,19 +204,34 @@ def _serve(channel: Channel, worker, stopping: list[int], poll_s: float, delay_s
 
 
 def _heartbeats(
-    context: zmq.Context, address: str, identity: str, period: float, stop: threading.Event
+    context: zmq.Context,
+    address: str,
+    identity: str,
+    period: float,
+    stop: threading.Event,
+    news: queue.SimpleQueue | None = None,
 ) -> None:
     """Beat every ``period`` from a socket of this thread's own, so that a long step (the main
     thread busy in the forward, which releases the GIL) still shows the worker alive, and a
-    hung or stopped one goes quiet. Beats are dropped, never queued up, while no one listens."""
+    hung or stopped one goes quiet. Beats are dropped, never queued up, while no one listens.
+    Each message in ``news`` (a GrammarCompiled) is sent as it arrives, between beats: the main
+    socket only answers steps, and may be busy in one."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.SNDHWM, 2)
+    socket.setsockopt(zmq.SNDHWM, 64)
     socket.connect(address)
     channel: Channel[SchedulerToWorker] = Channel(socket, SchedulerToWorker)  # it only sends
+    news = news or queue.SimpleQueue()
+    due = time.monotonic() + period
     try:
-        while not stop.wait(period):
+        while not stop.is_set():
+            try:
+                channel.try_send(news.get(timeout=max(0.0, due - time.monotonic())))
+                continue
+            except queue.Empty:
+                pass
             channel.try_send(Heartbeat(sender=identity, time=time.time()))
+            due = time.monotonic() + period
     finally:
         socket.close(0)
 

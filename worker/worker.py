@@ -225,6 +225,7 @@ class Worker:
             grammar_rows=len(masks.index) if masks else 0,
             grammar_fill_s=masks.fill_s if masks else 0.0,
             grammar_apply_s=masks.apply_s if masks else 0.0,
+            grammar_compiles=masks.compiles if masks else 0,
             decode_path=self.decode_path,
             num_threads=torch.get_num_threads(),
         )

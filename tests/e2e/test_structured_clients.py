@@ -10,6 +10,7 @@ request after a start finds the grammar engine built.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 
 import aiohttp
@@ -53,7 +54,53 @@ async def test_the_first_structured_request_finds_the_grammar_engine_built(serve
     assert status == 200 and all(code == 200 for code, _ in plain)
     text = reply["choices"][0]["message"]["content"]
     assert re.fullmatch(r"[ab]*c*", text), text
-    assert server.metrics()["nanoserve:grammar_masked_tokens_total"] >= 24
+    metrics = server.metrics()
+    assert metrics["nanoserve:grammar_masked_tokens_total"] >= 24
+    # the worker compiled the regex ahead, while the scheduler held the request
+    assert metrics["nanoserve:grammar_holds_total"] == 1
+    assert metrics["nanoserve:grammar_step_compiles_total"] == 0
+
+
+async def test_a_slow_grammar_compiles_beside_a_running_stream(server, capsys):
+    """A schema of 800 properties, each with its own pattern (tens of milliseconds to compile;
+    docs/structured_outputs.md measures one of 2,500). The scheduler holds its request while
+    the worker compiles it in a thread of its own: no step compiles a grammar
+    (``grammar_step_compiles_total`` stays 0; it is 1 without the hold), a plain stream sent
+    before it keeps its tokens coming, and the structured reply follows its schema. The
+    stream's largest gap is printed."""
+    schema = {
+        "type": "object",
+        "properties": {f"f{i}": {"type": "string", "pattern": f"^x{i}[a-z]+$"} for i in range(800)},
+        "required": ["f0"],
+    }
+    before = server.metrics()
+    url = server.url + "/v1/chat/completions"
+    stream = {**PLAIN, "max_tokens": 64, "stream": True, "ignore_eos": True}
+    body = {**PLAIN, "max_tokens": 12, "response_format": _schema_format(schema)}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        async with session.post(url, json=stream) as streaming:
+            lines = streaming.content.__aiter__()
+            await anext(lines)  # the stream runs
+            structured = asyncio.ensure_future(session.post(url, json=body))
+            arrivals = [asyncio.get_running_loop().time()]
+            async for line in lines:
+                if line.startswith(b"data: {"):
+                    arrivals.append(asyncio.get_running_loop().time())
+        async with await structured as response:
+            status, reply = response.status, await response.json()
+    assert status == 200, reply
+    assert reply["choices"][0]["message"]["content"].startswith('{"f0":"x0')
+    after = server.metrics()
+    assert after["nanoserve:grammar_holds_total"] == before["nanoserve:grammar_holds_total"] + 1
+    assert after["nanoserve:grammar_compile_seconds_total"] > 0
+    assert after["nanoserve:grammar_step_compiles_total"] == 0
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    with capsys.disabled():
+        print(f"\nstream beside a slow compile: {len(gaps)} gaps, largest {max(gaps):.3f} s")
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}}
 
 
 async def test_the_client_suite_keeps_its_promises(server, capsys):

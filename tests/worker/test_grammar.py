@@ -165,6 +165,32 @@ def test_the_first_constrained_fill_waits_for_an_eager_build_only(worker):
     assert built == [True, True]
 
 
+def test_a_grammar_compiled_ahead_is_not_compiled_in_a_step(worker):
+    """``compile`` (what a CompileGrammar runs, in a compile thread) answers once the grammar is
+    in the backend's cache: the row's first mask then takes a copy, and its step compiles
+    nothing. A grammar not compiled ahead compiles in the step, and the step counts it; one that
+    does not compile is answered with why."""
+    answers: list[str] = []
+    done = threading.Event()
+
+    def answer(error: str, seconds: float) -> None:
+        answers.append(error)
+        done.set()
+
+    ahead = llguidance.grammar_from("regex", r"[a-c]{3}x")
+    worker.grammar.compile(ahead, answer)
+    assert done.wait(30) and answers == [""]
+    pending = worker.grammar.start([_row(ahead)])
+    assert pending.allowed()[0].nonzero().flatten().tolist() == [ord(c) for c in "abc"]
+    assert pending.compiles == 0
+    pending = worker.grammar.start([_row(llguidance.grammar_from("regex", r"[d-f]{3}y"))])
+    pending.allowed()
+    assert pending.compiles == 1
+    done.clear()
+    worker.grammar.compile('{"grammars": [{"lark_grammar": "start: ("}]}', answer)
+    assert done.wait(30) and answers[1] != ""
+
+
 def _row(grammar: str | None) -> Row:
     """A row at the start of its reply (byte tokens: "a" is id 97)."""
     return Row(params=SamplingParams(grammar=grammar), prompt_len=1, history=[1])

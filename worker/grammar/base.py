@@ -3,7 +3,9 @@
 A backend is built once, as the worker starts (``worker.grammar.masks`` builds it in its own
 thread), and nothing else asks which one it has:
 
-- ``matcher``: a fresh matcher for one grammar string (``SamplingParams.grammar``);
+- ``compile``: compile one grammar string ahead of its rows, and keep it (any thread);
+- ``matcher``: a fresh matcher for one grammar string (``SamplingParams.grammar``), compiling
+  it there if ``compile`` did not (counted in ``compiles_in_place``);
 - ``fill``: the token masks of several matchers, each into one row of a bitmask.
 
 A ``Matcher`` follows one sequence: ``consume`` its tokens, ask ``error``. Masks are bitmasks:
@@ -36,6 +38,12 @@ class GrammarBackend(ABC):
 
     name: str  # how the worker's log names it
     vocab_size: int  # the model's: the width of every mask, in tokens
+    compiles_in_place: int  # grammars ``matcher`` compiled itself, in a step's path
+
+    @abstractmethod
+    def compile(self, grammar: str) -> str:
+        """Compile ``grammar`` and keep it for ``matcher``; why it does not compile ("" when it
+        does). Thread-safe."""
 
     @abstractmethod
     def matcher(self, grammar: str) -> Matcher:

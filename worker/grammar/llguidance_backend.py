@@ -1,13 +1,16 @@
 """``LLGuidanceBackend``: grammars compiled and masks filled by llguidance (torch-free).
 
 Why llguidance, and its measured costs, are in docs/performance.md. A grammar is compiled once
-per worker (an LRU of pristine matchers; compiling drops the GIL); every row gets a deep copy,
-which costs microseconds. Masks are filled by one ``LLExecutor`` thread, without the GIL.
+per worker (an LRU of pristine matchers; compiling drops the GIL), ahead of its requests when
+the scheduler asks (``compile``, in a compile thread) or else at a row's first mask; every row
+gets a deep copy, which costs microseconds. Masks are filled by one ``LLExecutor`` thread,
+without the GIL.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 
 import llguidance
@@ -17,7 +20,9 @@ from worker.grammar.base import GrammarBackend, Matcher
 
 log = logging.getLogger(__name__)
 
-_COMPILED = 64  # pristine matchers kept, least recently used first out
+# Pristine matchers kept, least recently used first out: more than the scheduler believes the
+# worker holds (scheduler.grammar_gate), so a grammar it has released a request for is here.
+_COMPILED = 256
 
 
 class LLGuidanceMatcher(Matcher):
@@ -46,19 +51,40 @@ class LLGuidanceBackend(GrammarBackend):
         )
         self._executor = llguidance.LLExecutor(num_threads=1)
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # the compile threads' and the mask thread's LRU
+        self.compiles_in_place = 0  # compiles ``matcher`` did itself: in a step's path
+
+    def compile(self, grammar: str) -> str:
+        with self._lock:
+            pristine = self._compiled.get(grammar)
+        if pristine is None:
+            pristine = self._cache(grammar, self._compile(grammar))
+        return pristine.get_error() if pristine.is_error() else ""
 
     def matcher(self, grammar: str) -> LLGuidanceMatcher:
-        pristine = self._compiled.get(grammar)
+        with self._lock:
+            pristine = self._compiled.get(grammar)
+            if pristine is not None:
+                self._compiled.move_to_end(grammar)
         if pristine is None:
-            pristine = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-            if pristine.is_error():
-                log.error("a grammar that does not compile: %s", pristine.get_error())
+            self.compiles_in_place += 1
+            pristine = self._cache(grammar, self._compile(grammar))
+        return LLGuidanceMatcher(pristine.deep_copy())
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+        """Outside the lock: the compile is the slow part, and drops the GIL."""
+        pristine = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if pristine.is_error():
+            log.error("a grammar that does not compile: %s", pristine.get_error())
+        return pristine
+
+    def _cache(self, grammar: str, pristine: llguidance.LLMatcher) -> llguidance.LLMatcher:
+        with self._lock:
             self._compiled[grammar] = pristine
+            self._compiled.move_to_end(grammar)
             if len(self._compiled) > _COMPILED:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(grammar)
-        return LLGuidanceMatcher(pristine.deep_copy())
+        return pristine
 
     def fill(self, matchers: list[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
         if not matchers:

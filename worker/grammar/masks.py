@@ -6,6 +6,11 @@ row's generated tokens (``Row.output_tokens``): it is built at the row's first s
 advanced by every token fed back since, so a row begun again after a preemption or on a new
 worker, whose StepItem carries the prompt and every generated token, rebuilds it exactly.
 
+A grammar is compiled ahead of its rows: the scheduler holds a constrained request back and
+asks (``compile``, in one of two compile threads), and releases it once the worker says the
+grammar is compiled. A row whose grammar the backend does not hold (a row resumed on a new
+worker) compiles it in the mask thread, and that step waits for it (``PendingMasks.compiles``).
+
 Per step, ``start`` hands the constrained rows to one thread, which brings their matchers up to
 date and fills their masks while the forward runs (llguidance drops the GIL); the sampler then
 calls ``PendingMasks.apply``, after penalties, logit_bias and min_tokens and before temperature,
@@ -44,7 +49,7 @@ class PendingMasks:
     def __init__(self, index: list[int], bitmask: np.ndarray, filled: Future, vocab: int) -> None:
         self.index = index  # the constrained rows, as positions in the step's sampled rows
         self.bitmask = bitmask  # (len(index), words) int32
-        self._filled = filled  # its result: the mask thread's seconds
+        self._filled = filled  # its result: (the mask thread's seconds, grammars it compiled)
         self._vocab = vocab
         self.apply_s = 0.0  # the sampler's seconds waiting for and applying the masks
 
@@ -52,7 +57,13 @@ class PendingMasks:
     def fill_s(self) -> float:
         """The mask thread's seconds for this step (matchers brought up to date, masks filled),
         once ``apply`` has waited for them."""
-        return self._filled.result() if self._filled.done() else 0.0
+        return self._filled.result()[0] if self._filled.done() else 0.0
+
+    @property
+    def compiles(self) -> int:
+        """Grammars the mask thread compiled for this step, in its path (0 when the scheduler
+        held their requests back until they were compiled), once ``apply`` has waited."""
+        return self._filled.result()[1] if self._filled.done() else 0
 
     def filled(self) -> np.ndarray:
         """The bitmask, once filled: (len(index), words) int32, for the device sampler to unpack
@@ -113,6 +124,8 @@ class GrammarMasks:
         self._backend: GrammarBackend | None = None
         self._unavailable: str | None = None  # why no backend could be built
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        # Compiles ahead of their rows; two, so one long compile does not hold up the next.
+        self._compilers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
         self._built: Future | None = self._thread.submit(self._build_backend) if eager else None
 
     def wait_built(self, timeout: float | None = None) -> bool:
@@ -131,6 +144,21 @@ class GrammarMasks:
         """Why grammars cannot be enforced (None while they can, or before a build)."""
         return self._unavailable
 
+    def compile(self, grammar: str, done: Callable[[str, float], None]) -> None:
+        """Compile ``grammar`` in a compile thread, then call ``done(error, seconds)`` there
+        (``error`` "" when it compiles; why grammars cannot be enforced when no backend could
+        be built, and then its rows may only take EOS)."""
+        self._compilers.submit(self._compile, grammar, done)
+
+    def _compile(self, grammar: str, done: Callable[[str, float], None]) -> None:
+        began = time.perf_counter()
+        if self._backend is None and self._unavailable is None:
+            # the mask thread builds the backend (after an eager build queued there, if any)
+            self._thread.submit(lambda: self._backend or self._build_backend()).result()
+        backend = self._backend
+        error = backend.compile(grammar) if backend is not None else (self._unavailable or "")
+        done(error, time.perf_counter() - began)
+
     def start(self, rows: list[Row]) -> PendingMasks | None:
         """Begin filling the masks of the constrained rows among ``rows`` (a step's sampled
         rows, in order); None when none is constrained."""
@@ -141,18 +169,19 @@ class GrammarMasks:
         filled = self._thread.submit(self._fill, [rows[i] for i in index], bitmask)
         return PendingMasks(index, bitmask, filled, self.vocab_size)
 
-    def _fill(self, rows: list[Row], bitmask: np.ndarray) -> float:
+    def _fill(self, rows: list[Row], bitmask: np.ndarray) -> tuple[float, int]:
         """In the mask thread: each row's matcher brought up to date, then every mask; returns
-        the seconds it took."""
+        the seconds it took and the grammars it had to compile."""
         began = time.perf_counter()
         backend = self._backend or self._build_backend()
         if backend is None:
             for eos in self._eos:
                 bitmask.view(np.uint32)[:, eos // 32] |= np.uint32(1 << (eos % 32))
-            return time.perf_counter() - began
+            return time.perf_counter() - began, 0
+        compiled = backend.compiles_in_place
         matchers = [(self._matcher(row, backend), k) for k, row in enumerate(rows)]
         backend.fill(matchers, bitmask)
-        return time.perf_counter() - began
+        return time.perf_counter() - began, backend.compiles_in_place - compiled
 
     @staticmethod
     def _matcher(row: Row, backend: GrammarBackend) -> Matcher:
