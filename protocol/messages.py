@@ -55,8 +55,9 @@ class StepItem(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=T
     ``num_draft`` (speculative decoding): the last ``num_draft`` of ``token_ids`` are draft
     tokens, and the worker samples at each of the last ``num_draft + 1`` positions (the
     ``Sample`` then carries the further ones in ``draft_samples``). Only a decode of a row that
-    is not fresh, with known tokens, drafts; the scheduler decides which drafts it accepts and
-    rewinds the row over the rest (``StepInput.rewinds``).
+    is not fresh drafts; the scheduler decides which drafts it accepts and
+    rewinds the row over the rest (``StepInput.rewinds``). The token before the drafts may be
+    ``PENDING_TOKEN``: the drafts then guess past the row's previous sample too.
     """
 
     request_id: str

@@ -200,8 +200,8 @@ def _and_drafts(drafts: int) -> str:
 
 
 def _check_drafts(scheduler: Scheduler, request: Request) -> None:
-    """Drafts in flight: within the request's limit, and only with the one token that their
-    verification will bring (its pending token)."""
+    """Drafts in flight: within the request's limit, with the token their verification
+    brings pending, and at most one more (a plain decode planned before them)."""
     drafts, name = request.num_draft, request.request_id
     if not drafts:
         return
@@ -210,10 +210,10 @@ def _check_drafts(scheduler: Scheduler, request: Request) -> None:
         raise InvariantViolation(
             f"request {name} has {drafts} drafts in flight, more than its limit {limit}"
         )
-    if request.num_pending != 1:
+    if not 1 <= request.num_pending <= 2:
         raise InvariantViolation(
             f"request {name} has {drafts} drafts in flight with {request.num_pending} pending "
-            "tokens (a verification brings exactly one pending token)"
+            "tokens (its verification's, and at most a plain decode's before it)"
         )
 
 

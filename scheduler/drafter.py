@@ -6,11 +6,11 @@ earlier occurrence. The index maps each n-gram to where its latest occurrence en
 one entry per n for each new token, so a lookup costs O(MAX_N), never O(context). It holds only
 known tokens, which never change (a preemption keeps them), so it is never rolled back.
 
-``DraftState`` adapts: a request that drafts waits for its previous step's token before it
-plans the next one (its drafts follow that token), so it gives up the overlap, and a request
-whose drafts keep missing (nothing found, or nothing accepted) stops drafting for a pause that
-doubles up to ``MAX_PAUSE`` steps, then probes again. Work that does not repeat pays a probe in
-``MAX_PAUSE`` steps.
+``DraftState`` adapts: a verification in flight keeps its request out of the next step (where
+that one starts depends on how many drafts are accepted), so drafts that are never accepted
+cost a request half its steps. A request whose verifications keep accepting nothing stops
+drafting for a pause that doubles up to ``MAX_PAUSE`` steps, then probes again; a lookup that
+finds nothing costs nothing but the lookup (the request decodes plainly, with overlap).
 
 Torch-free, like every scheduler file; the verification (which drafts are accepted) is the
 scheduler's (``Scheduler.on_verified``), from the tokens the worker sampled at each position.
@@ -73,7 +73,7 @@ class DraftState:
     """One request's drafter and how its drafts have fared."""
 
     index: NgramIndex = field(default_factory=NgramIndex)
-    misses: int = 0  # verifications (or lookups) in a row that gained nothing
+    misses: int = 0  # verifications in a row that accepted nothing
     pause: int = 0  # steps left before it drafts again
     next_pause: int = FIRST_PAUSE
 
@@ -87,7 +87,7 @@ class DraftState:
         self.pause -= 1
 
     def missed(self) -> None:
-        """A lookup found nothing, or a verification accepted nothing."""
+        """A verification accepted nothing."""
         self.misses += 1
         if self.misses >= MISSES_BEFORE_PAUSE:
             self.pause, self.misses = self.next_pause, 0

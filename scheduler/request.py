@@ -200,23 +200,23 @@ class Request:
         return new_blocks, sample
 
     def advance_draft(self, drafts: list[int]) -> list[int]:
-        """Its last known token and ``drafts`` after it are scheduled, sampled at every
-        position: their K/V counts as computed until ``verified``. Returns the blocks its cache
-        row has not been told of yet."""
-        if self.num_pending or self.num_tokens - self.num_computed != 1:
-            raise RuntimeError(f"request {self.request_id} drafts only after a known token")
+        """Its last token (known, or pending from a step in flight) and ``drafts`` after it
+        are scheduled, sampled at every position: their K/V counts as computed until
+        ``verified``. Returns the blocks its cache row has not been told of yet."""
+        if self.num_draft or self.num_tokens - self.num_computed != 1:
+            raise RuntimeError(f"request {self.request_id} drafts only after one decode token")
         new_blocks = self.block_ids[self.blocks_sent :]
         self.blocks_sent = len(self.block_ids)
         self.num_computed += 1 + len(drafts)
         self.high_water = max(self.high_water, self.num_computed - len(drafts))
-        self.num_pending, self.num_draft = 1, len(drafts)
+        self.num_pending, self.num_draft = self.num_pending + 1, len(drafts)
         return new_blocks
 
     def verified(self, accepted: int) -> None:
-        """Its drafts came back with the first ``accepted`` accepted: the rest's K/V is void,
-        and ``accepted + 1`` tokens are pending (the accepted drafts and the token sampled
-        after them), to be passed to ``sampled`` in order."""
-        if not 0 <= accepted <= self.num_draft:
+        """Its drafts came back (every earlier step's token has) with the first ``accepted``
+        accepted: the rest's K/V is void, and ``accepted + 1`` tokens are pending (the accepted
+        drafts and the token sampled after them), to be passed to ``sampled`` in order."""
+        if not 0 <= accepted <= self.num_draft or self.num_pending != 1:
             raise RuntimeError(f"request {self.request_id}: {accepted} of {self.num_draft} drafts")
         self.num_computed -= self.num_draft - accepted
         self.num_pending, self.num_draft = accepted + 1, 0

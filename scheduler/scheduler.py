@@ -23,12 +23,13 @@ tokens reach ``max_tokens`` or ``max_model_len`` is not grown (its finish is cer
 stops on EOS or a stop token runs one surplus step, whose token is dropped.
 
 Speculative decoding (``Speculation``): a decoding request may carry draft tokens after its last
-known token, in the same step as everyone else's work and within the token budget, with blocks
-for them reserved as for any growth. Drafts follow its last token, so a request that drafts waits
-for its step in flight before its next step is planned (it gives up the overlap while it
-drafts). ``on_verified`` applies the result: accepted drafts and the token sampled after them
-join its tokens, the rejected ones' blocks go back at once, and its cache row is cut back with
-the next step (``Rewind``).
+token (known, or pending from a plain decode in flight), in the same step as everyone else's work
+and within the token budget, with blocks for them reserved as for any growth. Where its next
+step starts depends on how many drafts are accepted, so while a verification is in flight the
+request is left out of the steps planned (it gives up the overlap for that step).
+``on_verified`` applies the result: accepted drafts and the token sampled after them join its
+tokens, the rejected ones' blocks go back at once, and its cache row is cut back with the next
+step (``Rewind``).
 """
 
 from __future__ import annotations
@@ -207,11 +208,8 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed, budget)
             drafts: list[int] = []
             if n == 1 and speculation.may_draft(request):
-                if request.num_pending and speculation.wants(request):
-                    continue  # it drafts after its last token, once that is back
-                if not request.num_pending:
-                    drafts = speculation.drafts(request, budget - n, max_len)
-                    drafts = self._fit_drafts(request, drafts)
+                drafts = speculation.drafts(request, budget - n, max_len)
+                drafts = self._fit_drafts(request, drafts)
                 if not drafts:
                     speculation.paused_step(request)
             # ceil((computed + n + drafts) / size) blocks: most decode steps need no new one.

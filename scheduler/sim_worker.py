@@ -116,9 +116,9 @@ class SimWorker:
             )
         tokens = list(item.token_ids)
         if PENDING_TOKEN in tokens:
-            if tokens != [PENDING_TOKEN] or item.fresh or row.last_sampled is None:
+            if tokens[0] != PENDING_TOKEN or item.fresh or row.last_sampled is None:
                 raise ValueError(f"slot {item.slot}: a pending token with nothing sampled")
-            tokens = [row.last_sampled]
+            tokens = [row.last_sampled, *tokens[1:]]
         row.last_sampled = None
         if not item.fresh:
             row.block_ids += item.new_blocks

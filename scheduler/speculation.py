@@ -63,9 +63,12 @@ class Speculation:
         return None if state.paused else state
 
     def drafts(self, request: Request, room: int, max_model_len: int) -> list[int]:
-        """Draft tokens for ``request``'s next step, whose last token is known: at most its
-        limit, ``room`` (the token budget left) and what ``max_tokens`` and ``max_model_len``
-        leave after the token the step samples anyway."""
+        """Draft tokens for ``request``'s next step: at most its limit, ``room`` (the token
+        budget left) and what ``max_tokens`` and ``max_model_len`` leave after the token the
+        step samples anyway. Looked up after its known tokens; when its last token is still
+        pending (a plain decode in flight) the lookup's first token is the guess for it, and
+        the drafts are the tokens after that guess (a wrong guess only costs their rejection:
+        verification never trusts a draft)."""
         state = self.wants(request)
         if state is None:
             return []
@@ -74,10 +77,9 @@ class Speculation:
         k = min(self.limit(request), room, final - 1 - request.num_tokens)
         if k < 1:
             return []
-        drafts = state.index.propose(request.token_slice, request.num_tokens, k)
-        if not drafts:
-            state.missed()
-        return drafts
+        pending = request.num_pending  # 0, or 1: drafts never follow drafts in flight
+        found = state.index.propose(request.token_slice, request.num_known_tokens, k + pending)
+        return found[pending:]
 
     def paused_step(self, request: Request) -> None:
         """``request`` is planned a plain decode; a pause counts down by one step."""

@@ -527,6 +527,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--with-llamacpp", action="store_true", help="also bench llama-server")
     parser.add_argument(
+        "--speculative",
+        choices=("off", "ngram"),
+        default="off",
+        help="throughput: nanoserve's --speculative (its rows' dtype reads '+ ngram')",
+    )
+    parser.add_argument(
         "--c1-rounds",
         type=int,
         default=3,
@@ -587,8 +593,11 @@ def main() -> int:
         for dtype in args.dtypes:
             for compile in (False, True) if args.compile else (False,):
                 label = f"{dtype} compiled" if compile else dtype
-                log_dir = logs / f"nanoserve-{label}".replace(" ", "-")
-                server = start_nanoserve(dtype, log_dir, args.threads, compile)
+                if args.speculative != "off":
+                    label += f" + {args.speculative}"
+                log_dir = logs / f"nanoserve-{label}".replace(" ", "-").replace("+", "")
+                env = {"NANOSERVE_SPECULATIVE": args.speculative}
+                server = start_nanoserve(dtype, log_dir, args.threads, compile, env)
                 rows += run_server("nanoserve", label, server, args, work)
     if args.with_llamacpp:
         from models.files import resolve_model

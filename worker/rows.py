@@ -128,8 +128,14 @@ class RowTable:
         if item.num_draft:
             self._check_drafts(item, row, where)
         if PENDING_TOKEN in item.token_ids:
-            if list(item.token_ids) != [PENDING_TOKEN] or item.fresh:
-                raise ValueError(f"{where}: a pending token must be an item's only token")
+            alone = len(item.token_ids) == 1 + item.num_draft  # drafts may follow it
+            if item.token_ids[0] != PENDING_TOKEN or not alone or item.fresh:
+                raise ValueError(
+                    f"{where}: a pending token must be an item's only token, or its first "
+                    "before draft tokens"
+                )
+            if PENDING_TOKEN in item.token_ids[1:]:
+                raise ValueError(f"{where}: a draft token is pending")
             if not row.sampled:
                 raise ValueError(f"{where}: a pending token, but the row's last step sampled none")
         bad = [b for b in item.new_blocks if not 0 <= b < self.num_blocks]
@@ -142,15 +148,10 @@ class RowTable:
         """Drafts follow a known token of a running row that samples at every position, with
         no state the sampler would have to roll back per position."""
         params = row.params or SamplingParams()
-        if (
-            item.fresh
-            or not item.sample
-            or not 0 < item.num_draft < len(item.token_ids)
-            or PENDING_TOKEN in item.token_ids
-        ):
+        if item.fresh or not item.sample or not 0 < item.num_draft < len(item.token_ids):
             raise ValueError(
-                f"{where}: {item.num_draft} draft tokens need a sampled, not fresh item of "
-                "known tokens, with a token before them"
+                f"{where}: {item.num_draft} draft tokens need a sampled item of a running row, "
+                "with a token before them"
             )
         if (
             params.grammar is not None
@@ -194,9 +195,10 @@ class RowTable:
             row = Row(item.request_id, [], item.start, params, item.prompt_len, history, seed)
             self.rows[item.slot] = row
         tokens = list(item.token_ids)
-        if tokens == [PENDING_TOKEN]:
+        if tokens[0] == PENDING_TOKEN:  # alone, or before draft tokens
             known = row.last_sampled
             row.history.append(PENDING_TOKEN if known is None else known)
+            row.history.extend(tokens[1:])
         else:
             row.history.extend(tokens)
         row.sampled, row.last_sampled = False, None  # set again only if this item samples

@@ -185,8 +185,8 @@ def test_audit_names_drafts_beyond_the_limit() -> None:
 def test_audit_names_drafts_without_their_pending_token() -> None:
     engine, _ = _engine(vocab=16)
     request = _drafting(engine, [3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1])
-    request.num_pending = 2
-    with pytest.raises(InvariantViolation, match="drafts in flight with 2 pending tokens"):
+    request.num_pending = 3
+    with pytest.raises(InvariantViolation, match="drafts in flight with 3 pending tokens"):
         audit_all(engine.scheduler)
 
 

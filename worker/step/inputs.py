@@ -52,11 +52,12 @@ class StepInputs:
         ids, feed, positions, sampled, spans = [], [], [], [], []
         pending = False
         for item, (row, tokens) in zip(items, applied, strict=True):
-            if tokens == [PENDING_TOKEN]:
+            if tokens[0] == PENDING_TOKEN:  # alone, or before draft tokens
                 pending = True
                 feed.extend([-1] * (len(ids) - len(feed)))
                 feed.append(item.slot)
                 ids.append(0)
+                ids.extend(tokens[1:])
             else:
                 ids.extend(tokens)
             positions.extend(range(item.start, item.start + len(tokens)))
