@@ -66,6 +66,13 @@ class SchedulerConfig:
         default=4,
         metadata={"help": "draft tokens a request verifies per step, at most (with speculative)"},
     )
+    speculative_max_running: int = field(
+        default=8,
+        metadata={
+            "help": "no drafts while more requests than this run: a step with drafts is not a "
+            "decode step (no CUDA graph or compiled step), and in a busy batch drafts rarely pay"
+        },
+    )
 
     kv_events_endpoint: str | None = field(
         default=None,
@@ -113,6 +120,10 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.speculative not in ("off", "ngram"):
             raise ValueError(f"speculative must be off or ngram, got {self.speculative!r}")
+        if self.speculative_max_running < 0:
+            raise ValueError(
+                f"speculative_max_running must be >= 0, got {self.speculative_max_running}"
+            )
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "

@@ -6,11 +6,13 @@ earlier occurrence. The index maps each n-gram to where its latest occurrence en
 one entry per n for each new token, so a lookup costs O(MAX_N), never O(context). It holds only
 known tokens, which never change (a preemption keeps them), so it is never rolled back.
 
-``DraftState`` adapts: a verification in flight keeps its request out of the next step (where
-that one starts depends on how many drafts are accepted), so drafts that are never accepted
-cost a request half its steps. A request whose verifications keep accepting nothing stops
-drafting for a pause that doubles up to ``MAX_PAUSE`` steps, then probes again; a lookup that
-finds nothing costs nothing but the lookup (the request decodes plainly, with overlap).
+``DraftState`` adapts. A verification in flight keeps its request out of the next step (where
+that one starts depends on how many drafts are accepted), so in a busy batch a verification
+costs the request two steps, alone one; and a step with drafts costs more than a decode. So it
+keeps a moving average of the tokens each verification gained per step it cost the request,
+and a request whose average falls under ``MIN_GAIN`` stops drafting for a pause that doubles up
+to ``MAX_PAUSE`` steps, then probes again. A lookup that finds nothing costs only the lookup
+(the request decodes plainly, with overlap).
 
 Torch-free, like every scheduler file; the verification (which drafts are accepted) is the
 scheduler's (``Scheduler.on_verified``), from the tokens the worker sampled at each position.
@@ -23,7 +25,8 @@ from dataclasses import dataclass, field
 
 MIN_N = 2  # a 1-token match proposes too often and is accepted too rarely
 MAX_N = 4
-MISSES_BEFORE_PAUSE = 2  # verifications in a row that gain nothing, then a pause
+MIN_GAIN = 1.3  # tokens per step a request's verifications must average (a decode gains 1)
+GAIN_WEIGHT = 0.3  # of the latest verification in the moving average
 FIRST_PAUSE = 8  # steps
 MAX_PAUSE = 256  # steps: the probe rate of a request whose drafts never land
 
@@ -73,7 +76,8 @@ class DraftState:
     """One request's drafter and how its drafts have fared."""
 
     index: NgramIndex = field(default_factory=NgramIndex)
-    misses: int = 0  # verifications in a row that accepted nothing
+    gain: float = 2.0  # moving average of tokens per step its verifications gained
+    skipped: int = 0  # steps planned without it while its verification is in flight
     pause: int = 0  # steps left before it drafts again
     next_pause: int = FIRST_PAUSE
 
@@ -86,13 +90,13 @@ class DraftState:
         """One step planned while paused."""
         self.pause -= 1
 
-    def missed(self) -> None:
-        """A verification accepted nothing."""
-        self.misses += 1
-        if self.misses >= MISSES_BEFORE_PAUSE:
-            self.pause, self.misses = self.next_pause, 0
-            self.next_pause = min(2 * self.next_pause, MAX_PAUSE)
-
-    def landed(self) -> None:
-        """A verification accepted at least one draft token."""
-        self.misses, self.next_pause = 0, FIRST_PAUSE
+    def verified(self, tokens: int) -> None:
+        """A verification gained ``tokens`` (its accepted drafts and its own token) for the
+        step it ran in and the steps planned without the request meanwhile."""
+        steps, self.skipped = 1 + self.skipped, 0
+        self.gain += GAIN_WEIGHT * (tokens / steps - self.gain)
+        if self.gain >= MIN_GAIN:
+            self.next_pause = FIRST_PAUSE
+            return
+        self.pause, self.gain = self.next_pause, MIN_GAIN  # a probe after the pause starts even
+        self.next_pause = min(2 * self.next_pause, MAX_PAUSE)

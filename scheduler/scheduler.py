@@ -60,6 +60,7 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         prefix_caching: bool = True,
         speculative_tokens: int = 0,
+        speculative_max_running: int = 8,
     ) -> None:
         if token_budget < 1:
             raise ValueError(f"need token_budget >= 1, got {token_budget}")
@@ -85,7 +86,7 @@ class Scheduler:
         self.thrashed_admissions = 0
         self.tokens_scheduled = 0
         self.tokens_recomputed = 0
-        self.speculation = Speculation(speculative_tokens)
+        self.speculation = Speculation(speculative_tokens, speculative_max_running)
         self._rewinds: dict[int, Rewind] = {}  # by slot: rows to cut back with the next step
 
     # -- the ledgers, as the auditor reads them -----------------------------------------------
@@ -183,31 +184,40 @@ class Scheduler:
         """Decide this iteration's work (see the module docstring for the phases)."""
         chunks: list[ScheduledChunk] = []
         # Phase 1: grow the running requests, preempting the newest when blocks run out.
-        budget = self._grow(chunks, self.token_budget)
+        waiting_on_drafts: list[Request] = []
+        budget = self._grow(chunks, self.token_budget, waiting_on_drafts)
         # Phase 2: admit from the head of the waiting queue.
         self._admit(chunks, budget)
         # Phase 3: offer the index the blocks this step fills, after admission (PrefixCache).
         self.cache.offer_all([chunk.request for chunk in chunks])
+        if chunks and waiting_on_drafts:  # what drafting cost them (Speculation)
+            self.speculation.left_out(waiting_on_drafts)
         rewinds, self._rewinds = self.pending_rewinds, {}
         return Batch(chunks, self.slots.take_releases(), list(rewinds))
 
-    def _grow(self, chunks: list[ScheduledChunk], budget: int) -> int:
+    def _grow(
+        self, chunks: list[ScheduledChunk], budget: int, waiting_on_drafts: list[Request]
+    ) -> int:
         size, max_len, running = (
             self.allocator.block_size,
             self.max_model_len,
             RequestStatus.RUNNING,
         )
         speculation = self.speculation
+        drafting = len(self.running) <= speculation.max_running  # else nobody drafts
         for request in list(self.running):
             if budget == 0:
                 break
             if request.status is not running:
                 continue  # preempted a moment ago to make room for an older request
-            if request.finish_is_certain(max_len) or request.num_draft:
-                continue  # ends by length in flight (no surplus step), or awaits verification
+            if request.num_draft:
+                waiting_on_drafts.append(request)  # where it goes on depends on its drafts
+                continue
+            if request.finish_is_certain(max_len):
+                continue  # its in-flight sample ends it by length: no surplus step
             n = min(request.num_tokens - request.num_computed, budget)
             drafts: list[int] = []
-            if n == 1 and speculation.may_draft(request):
+            if n == 1 and drafting and speculation.may_draft(request):
                 drafts = speculation.drafts(request, budget - n, max_len)
                 drafts = self._fit_drafts(request, drafts)
                 if not drafts:

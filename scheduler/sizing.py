@@ -50,6 +50,7 @@ def build_scheduler(
         eos_token_ids=tuple(ready.eos_token_ids),
         prefix_caching=config.enable_prefix_caching,
         speculative_tokens=config.speculative_tokens,
+        speculative_max_running=config.speculative_max_running,
     )
 
 

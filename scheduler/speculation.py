@@ -10,6 +10,10 @@ probability p(d) = min(1, p(d)/q(d)), and on rejection the token sampled is draw
 renormalized, which is the residual max(0, p - q) normalized. So a seeded request gives the
 same text with or without speculation (docs/speculative.md).
 
+No request drafts while more than ``max_running`` run (``--speculative-max-running``): a step
+with drafts runs eagerly, not as a captured or compiled decode step, which costs every row of a
+busy batch, and a request that drafts sits out the step planned while its verification flies.
+
 Requests that never draft: those with a grammar, with repetition, presence or frequency
 penalties, or asking for logprobs (the worker would have to roll those states back per
 position), and those whose ``num_speculative_tokens`` resolves to 0.
@@ -24,10 +28,11 @@ from scheduler.request import Request
 class Speculation:
     """The n-gram drafter's policy and counters, for one scheduler."""
 
-    def __init__(self, num_tokens: int = 0) -> None:
+    def __init__(self, num_tokens: int = 0, max_running: int = 8) -> None:
         if num_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_tokens}")
         self.num_tokens = num_tokens  # the default k; a request's params may override it
+        self.max_running = max_running  # no drafts while more requests run
         self.drafts_total = 0  # verifications
         self.draft_tokens_total = 0
         self.accepted_total = 0
@@ -100,7 +105,12 @@ class Speculation:
         self.drafts_total += 1
         self.draft_tokens_total += len(drafts)
         self.accepted_total += accepted
-        state = request.drafting
-        if state is not None:
-            state.landed() if accepted else state.missed()
+        if request.drafting is not None:
+            request.drafting.verified(accepted + 1)
         return accepted
+
+    def left_out(self, requests: list[Request]) -> None:
+        """A step was planned without these requests, whose verifications are in flight."""
+        for request in requests:
+            if request.drafting is not None:
+                request.drafting.skipped += 1

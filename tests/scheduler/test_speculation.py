@@ -10,7 +10,7 @@ import pytest
 from protocol.messages import Rewind, SamplingParams
 from scheduler.audit import InvariantViolation, audit_all
 from scheduler.config import SchedulerConfig
-from scheduler.drafter import FIRST_PAUSE, MAX_PAUSE, MISSES_BEFORE_PAUSE, DraftState, NgramIndex
+from scheduler.drafter import FIRST_PAUSE, MAX_PAUSE, DraftState, NgramIndex
 from scheduler.engine import Engine
 from scheduler.sim_worker import SimWorker
 from scheduler.soak import make_prompts, soak
@@ -39,21 +39,39 @@ def test_ngram_index_grows_with_the_tokens() -> None:
     assert index.propose(_slice(tokens), len(tokens), 2) == [9, 4]
 
 
-def test_drafts_that_keep_missing_pause_for_longer_each_time() -> None:
+def _verify_until_paused(state: DraftState, tokens: int, skipped: int = 0) -> int:
+    """Verifications gaining ``tokens`` each, with ``skipped`` steps planned without the
+    request meanwhile, until it pauses; how many it took."""
+    for count in range(1, 100):
+        state.skipped = skipped
+        state.verified(tokens)
+        if state.paused:
+            return count
+    return 0
+
+
+def test_drafts_that_gain_too_little_per_step_pause_for_longer_each_time() -> None:
     state = DraftState()
     pauses = []
     for _ in range(12):
-        for _ in range(MISSES_BEFORE_PAUSE):
-            state.missed()
+        assert _verify_until_paused(state, 1) > 0  # nothing accepted
         pauses.append(state.pause)
         while state.paused:
             state.tick()
     assert pauses[:3] == [FIRST_PAUSE, 2 * FIRST_PAUSE, 4 * FIRST_PAUSE]
     assert max(pauses) == MAX_PAUSE
-    state.landed()
-    for _ in range(MISSES_BEFORE_PAUSE):
-        state.missed()
-    assert state.pause == FIRST_PAUSE  # a landed draft resets the backoff
+    for _ in range(5):
+        state.verified(4)  # three drafts accepted a step: the backoff starts over
+    assert not state.paused
+    assert _verify_until_paused(state, 1) > 0 and state.pause == FIRST_PAUSE
+
+
+def test_what_a_verification_costs_depends_on_the_steps_it_kept_the_request_out_of() -> None:
+    """Alone, 2 tokens a verification is worth drafting for; in a busy batch, where the request
+    sits out the step planned while its verification flies, it gains 1 a step and pauses."""
+    assert _verify_until_paused(DraftState(), tokens=2, skipped=0) == 0
+    assert _verify_until_paused(DraftState(), tokens=2, skipped=1) > 0
+    assert _verify_until_paused(DraftState(), tokens=4, skipped=1) == 0
 
 
 def _sim(vocab: int = 4, blocks: int = 64, slots: int = 4) -> SimWorker:
