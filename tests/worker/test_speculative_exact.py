@@ -40,6 +40,7 @@ def expected(tiny_dir) -> list[list[int]]:
 def generate(worker, prompts, params, spec: str = "ngram", **config) -> tuple[list, Engine]:
     """Every prompt's tokens, audited every iteration; the rows are left empty."""
     settings = dict(speculative=spec, num_speculative_tokens=4, audit=True, watermark_blocks=0)
+    settings["speculative_max_running"] = 32  # drafts with all 32 running too
     engine = Engine.for_worker(worker, SchedulerConfig(**{**settings, **config}))
     outs = engine.generate(prompts, params)
     step = engine.plan()  # the last releases, so that the next engine finds empty rows
