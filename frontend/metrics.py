@@ -143,6 +143,21 @@ COUNTED = (
         "Changes of the worker's thread count (a neighbour took a core, or gave it back)",
         "worker_thread_switches_total",
     ),
+    (
+        "nanoserve:spec_decode_num_drafts",
+        "Verifications of draft tokens (speculative decoding), one per request and step",
+        "spec_drafts_total",
+    ),
+    (
+        "nanoserve:spec_decode_num_draft_tokens",
+        "Draft tokens verified",
+        "spec_draft_tokens_total",
+    ),
+    (
+        "nanoserve:spec_decode_num_accepted_tokens",
+        "Draft tokens accepted",
+        "spec_accepted_tokens_total",
+    ),
 )
 
 
@@ -159,6 +174,11 @@ class Metrics:
         self.mirrored = [(Gauge(name, text, registry=r), field) for name, text, field in MIRRORED]
         self.kv_usage = Gauge(
             "nanoserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use", registry=r
+        )
+        self.acceptance_length = Gauge(
+            "nanoserve:spec_decode_mean_acceptance_length",
+            "Tokens a verification of drafts yields on average: accepted drafts plus its own",
+            registry=r,
         )
         self.vllm = VllmSeries(r)  # the routers' gauges, under vLLM's names
         # The scheduler's running totals that are counters here (vLLM's names): each grows by
@@ -287,6 +307,9 @@ class Metrics:
             gauge.set(getattr(stats, field))
         total = stats.kv_blocks_total
         self.kv_usage.set(stats.kv_blocks_used / total if total else 0.0)
+        drafts = stats.spec_drafts_total
+        length = (stats.spec_accepted_tokens_total + drafts) / drafts if drafts else 0.0
+        self.acceptance_length.set(length)
         self.vllm.apply(stats)
         # The scheduler reports a running total; a restarted scheduler starts again from 0.
         for i, (counter, field) in enumerate(self.counted):

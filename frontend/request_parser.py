@@ -235,6 +235,7 @@ class RequestParser:
             stop_token_ids=list(request.stop_token_ids or []),
             ignore_eos=request.ignore_eos,
             min_tokens=request.min_tokens,
+            num_speculative_tokens=request.speculative and request.speculative.num_tokens,
         )
 
     def _check(
@@ -248,7 +249,11 @@ class RequestParser:
         try:
             check_params(params, prompt_ids, self.limits)
         except ParamError as exc:
-            names = {"prompt_token_ids": "prompt", "logprobs": _LOGPROBS[chat]}
+            names = {
+                "prompt_token_ids": "prompt",
+                "logprobs": _LOGPROBS[chat],
+                "num_speculative_tokens": "speculative",
+            }
             if constraint is not None:
                 names["grammar"] = constraint.param
             raise _bad(str(exc), names.get(exc.param, exc.param)) from None

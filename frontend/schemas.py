@@ -52,6 +52,13 @@ class StructuredOutputs(msgspec.Struct, kw_only=True):
     disable_additional_properties: bool | None = None
 
 
+class Speculative(msgspec.Struct, kw_only=True):
+    """nanoserve's ``speculative``: ``num_tokens`` draft tokens at most per step for this
+    request (0: none; None: the server's ``--num-speculative-tokens``)."""
+
+    num_tokens: int | None = None
+
+
 class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -77,6 +84,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     cache_salt: CacheSalt | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    speculative: Speculative | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -21,7 +21,7 @@ import msgspec
 from protocol.params import SamplingParams
 from protocol.stats import EngineStats
 
-PROTOCOL_VERSION = 6  # 6: grammars compile before their requests run (CompileGrammar)
+PROTOCOL_VERSION = 7  # 7: draft tokens (StepItem.num_draft); 6: CompileGrammar
 
 PENDING_TOKEN = -1
 """A token the scheduler has not seen yet: the one the worker sampled for this row in the
@@ -52,6 +52,12 @@ class StepItem(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=T
     ``sample`` is False for a prefill chunk that does not reach the end of the known tokens.
     ``token_ids == [PENDING_TOKEN]`` (only ever alone, on a row that is not fresh) feeds back the
     token the worker sampled for this row in the row's previous step.
+    ``num_draft`` (speculative decoding): the last ``num_draft`` of ``token_ids`` are draft
+    tokens, and the worker samples at each of the last ``num_draft + 1`` positions (the
+    ``Sample`` then carries the further ones in ``draft_samples``). Only a decode of a row that
+    is not fresh drafts; the scheduler decides which drafts it accepts and
+    rewinds the row over the rest (``StepInput.rewinds``). The token before the drafts may be
+    ``PENDING_TOKEN``: the drafts then guess past the row's previous sample too.
     """
 
     request_id: str
@@ -64,15 +70,27 @@ class StepItem(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=T
     prompt_len: int = 0
     fresh: bool = False
     cached_token_ids: list[int] = []
+    num_draft: int = 0
+
+
+class Rewind(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
+    """Cut a row back after rejected draft tokens: it keeps its first ``num_blocks`` blocks and
+    the K/V (and history) of its first ``num_cached`` tokens."""
+
+    slot: int
+    num_blocks: int
+    num_cached: int
 
 
 class StepInput(Message):
-    """One iteration's work. ``released_slots`` are emptied before any item runs."""
+    """One iteration's work. ``released_slots`` are emptied before any item runs, then the
+    ``rewinds`` cut their rows back."""
 
     step_id: int
     items: list[StepItem]
     released_slots: list[int] = []
     audit: bool = False
+    rewinds: list[Rewind] = []
 
 
 class Shutdown(Message):
@@ -107,12 +125,16 @@ SchedulerToWorker = StepInput | Shutdown | SchedulerHello | CompileGrammar
 
 
 class Sample(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
-    """One sampled token. ``top_logprobs`` is ``[(token_id, logprob), ...]``, best first."""
+    """One sampled token. ``top_logprobs`` is ``[(token_id, logprob), ...]``, best first.
+    ``draft_samples``: for an item with draft tokens, the tokens sampled at the positions after
+    ``token_id``'s, one per draft token (``token_id`` is sampled after the item's first token).
+    """
 
     request_id: str
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    draft_samples: list[int] = []
 
 
 class RowSummary(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):

@@ -25,6 +25,7 @@ MAX_LOGIT_BIAS = 1024  # the most tokens one request's logit_bias may bias
 # The longest grammar one request may carry. A JSON schema of a few hundred properties is tens of
 # KiB; the bound keeps a raw peer from sending the worker a grammar that compiles for seconds.
 MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_SPECULATIVE_TOKENS = 16  # the most draft tokens one request may verify in a step
 
 _FLOAT_MAX = sys.float_info.max  # as an upper bound it rejects only infinity (and, like any, NaN)
 
@@ -44,6 +45,8 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_
     ``llguidance.grammar_from`` makes (or Lark text): the worker lets through only the tokens
     it allows, and once it is complete only EOS, which then ends the request even before
     ``min_tokens``.
+    ``num_speculative_tokens`` (None: the server's ``--num-speculative-tokens``; 0: off) is how
+    many draft tokens the scheduler may verify for it in one step (``scheduler.drafter``).
 
     Each field carries its range (every float finite): a decoder enforces them, so a message
     that breaks one never decodes; ``__init__`` does not, and ``protocol.params.check_params``
@@ -65,6 +68,7 @@ class SamplingParams(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_
     ignore_eos: bool = False
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     grammar: Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
+    num_speculative_tokens: Annotated[int, Meta(ge=0, le=MAX_SPECULATIVE_TOKENS)] | None = None
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,10 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
       ("" before any step).
     - ``worker_threads``: the worker's intra-op threads after its last step (0 before any);
       ``worker_thread_switches_total``: how often it changed them (``worker.cpu.threads``).
+    - ``spec_drafts_total``: items verified with draft tokens (speculative decoding);
+      ``spec_draft_tokens_total``: draft tokens they carried; ``spec_accepted_tokens_total``:
+      of those, accepted. Each verification also yields one token of its own, so the mean
+      acceptance length is ``(accepted + drafts) / drafts``.
     """
 
     num_running: int = 0
@@ -72,3 +76,6 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     grammar_holds_total: int = 0
     grammar_compile_s_total: float = 0.0
     grammar_step_compiles_total: int = 0
+    spec_drafts_total: int = 0
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0

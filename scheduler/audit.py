@@ -4,7 +4,12 @@ Observation point: these checks hold for a settled engine, after a step's result
 and before the next schedule(). Exactly two carry slack, both for work really in flight:
 
 1. a running request's blocks must cover ``num_tokens - 1``: between a sample and the next
-   schedule it holds one token (the sampled one) more than its blocks need to cache;
+   schedule it holds one token (the sampled one) more than its blocks need to cache. With
+   speculative decoding, while a step verifying its ``num_draft`` draft tokens is in flight,
+   it may hold blocks (and K/V) for up to ``num_draft`` tokens more: at most ``k + 1`` tokens
+   past what it knows, ``k`` its draft limit (``Speculation.limit``). Once the verification is
+   applied the bound is the exact one again: rejected drafts' blocks are back in the pool, and
+   a pending ``Rewind`` cuts its row to exactly its blocks and computed tokens;
 2. a cache row may be one block behind its request: the scheduler grows a request at the top
    of an iteration and the row learns of the new block with the step that writes into it
    (``scheduler.audit_rows``).
@@ -173,18 +178,63 @@ def audit_requests(scheduler: Scheduler) -> None:
                 f"request {request.request_id} is in the running list with status "
                 f"{request.status.value}"
             )
-        n, held = request.num_tokens, len(request.block_ids)
-        if not blocks_for(n - 1) <= held <= blocks_for(n):
+        n, held, drafts = request.num_tokens, len(request.block_ids), request.num_draft
+        _check_drafts(scheduler, request)
+        if not blocks_for(n - 1) <= held <= blocks_for(n + drafts):
             raise InvariantViolation(
-                f"request {request.request_id} holds {held} blocks for {n} tokens "
-                f"(needs {blocks_for(n - 1)} to {blocks_for(n)})"
+                f"request {request.request_id} holds {held} blocks for {n} tokens"
+                f"{_and_drafts(drafts)} (needs {blocks_for(n - 1)} to {blocks_for(n + drafts)})"
             )
-        if not request.num_computed < n:
+        if not request.num_computed < n + drafts:
             raise InvariantViolation(
-                f"request {request.request_id} has computed {request.num_computed} of {n} tokens "
-                "(the last sampled token is never computed before the next step)"
+                f"request {request.request_id} has computed {request.num_computed} of {n} tokens"
+                f"{_and_drafts(drafts)} (the last sampled token is never computed before the "
+                "next step)"
             )
+    _check_rewinds(scheduler)
     _check_order(scheduler)
+
+
+def _and_drafts(drafts: int) -> str:
+    return f" and {drafts} drafts in flight" if drafts else ""
+
+
+def _check_drafts(scheduler: Scheduler, request: Request) -> None:
+    """Drafts in flight: within the request's limit, with the token their verification
+    brings pending, and at most one more (a plain decode planned before them)."""
+    drafts, name = request.num_draft, request.request_id
+    if not drafts:
+        return
+    limit = scheduler.speculation.limit(request)
+    if drafts > limit:
+        raise InvariantViolation(
+            f"request {name} has {drafts} drafts in flight, more than its limit {limit}"
+        )
+    if not 1 <= request.num_pending <= 2:
+        raise InvariantViolation(
+            f"request {name} has {drafts} drafts in flight with {request.num_pending} pending "
+            "tokens (its verification's, and at most a plain decode's before it)"
+        )
+
+
+def _check_rewinds(scheduler: Scheduler) -> None:
+    """Each pending rewind cuts a running request's row to exactly its blocks and its
+    computed tokens (a rewind of a slot no request holds, or one that keeps a rejected draft's
+    block or K/V, is wrong)."""
+    owners = {r.slot: r for r in scheduler.running}
+    for rewind in scheduler.pending_rewinds:
+        owner = owners.get(rewind.slot)
+        if owner is None:
+            raise InvariantViolation(f"a rewind of slot {rewind.slot}, which no request holds")
+        if (rewind.num_blocks, rewind.num_cached) != (
+            len(owner.block_ids),
+            owner.num_computed,
+        ):
+            raise InvariantViolation(
+                f"the rewind of slot {rewind.slot} keeps {rewind.num_blocks} blocks and "
+                f"{rewind.num_cached} tokens, but request {owner.request_id} holds "
+                f"{len(owner.block_ids)} blocks and has computed {owner.num_computed}"
+            )
 
 
 def _check_waiting(request: Request) -> None:
@@ -197,6 +247,8 @@ def _check_waiting(request: Request) -> None:
         raise InvariantViolation(f"request {name} is waiting but holds blocks {request.block_ids}")
     if request.num_computed:
         raise InvariantViolation(f"request {name} is waiting with {request.num_computed} computed")
+    if request.num_draft:
+        raise InvariantViolation(f"request {name} is waiting with {request.num_draft} drafts")
 
 
 def _check_order(scheduler: Scheduler) -> None:

@@ -20,11 +20,20 @@ from scheduler.scheduler import Scheduler
 
 def project_rows(rows: list[RowSummary], steps: list[StepInput]) -> list[RowSummary]:
     """The rows as they will be after ``steps`` run, in order, under the row contract: released
-    slots empty first, then each item begins (fresh) or extends its slot's row."""
+    slots empty first, then rewinds cut rows back, then each item begins (fresh) or extends its
+    slot's row."""
     by_slot = {row.slot: row for row in rows}
     for step in steps:
         for slot in step.released_slots:
             by_slot[slot] = RowSummary(slot=slot, request_id=None, block_ids=[], num_cached=0)
+        for rewind in step.rewinds:
+            row = by_slot[rewind.slot]
+            by_slot[rewind.slot] = RowSummary(
+                slot=rewind.slot,
+                request_id=row.request_id,
+                block_ids=row.block_ids[: rewind.num_blocks],
+                num_cached=min(row.num_cached, rewind.num_cached),
+            )
         for item in step.items:
             row = by_slot.get(item.slot)
             if item.fresh or row is None:

@@ -4,9 +4,9 @@ applied sample for the frontends."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from protocol.messages import RequestOutput, Sample, StepItem
+from protocol.messages import RequestOutput, Rewind, Sample, StepItem
 from scheduler.request import Request
 
 
@@ -21,20 +21,32 @@ class ScheduledChunk:
     new_blocks: list[int]  # appended to the worker's row (the whole table when fresh)
     epoch: int = 0  # the request's epoch when scheduled: a preemption since makes it stale
     fresh: bool = False  # begins the request's row; positions below start are cache hits
+    drafts: tuple[int, ...] = ()  # draft tokens after its last token, verified by this step
 
 
 @dataclass
 class Batch:
-    """What ``schedule()`` decided: the chunks to compute and the slots to empty first."""
+    """What ``schedule()`` decided: the chunks to compute, the slots to empty first and the
+    rows to cut back then."""
 
     chunks: list[ScheduledChunk]
     released_slots: list[int]
+    rewinds: list[Rewind] = field(default_factory=list)
 
 
 def step_item(chunk: ScheduledChunk) -> StepItem:
     """The StepItem that tells the worker to compute ``chunk``."""
     request, start = chunk.request, chunk.start
     token_ids = request.token_slice(start, start + chunk.num_tokens)
+    if chunk.drafts:
+        return StepItem(
+            request_id=request.request_id,
+            slot=request.slot,
+            new_blocks=chunk.new_blocks,
+            token_ids=token_ids + list(chunk.drafts),
+            start=start,
+            num_draft=len(chunk.drafts),
+        )
     if not chunk.fresh:  # most items: the defaults spare a decode step its keyword arguments
         return StepItem(
             request_id=request.request_id,
@@ -58,8 +70,19 @@ def step_item(chunk: ScheduledChunk) -> StepItem:
     )
 
 
-def request_output(request: Request, sample: Sample, reason: str | None) -> RequestOutput:
-    """What a frontend hears of one applied sample."""
+def request_output(
+    request: Request, sample: Sample, reason: str | None, tokens: list[int] | None = None
+) -> RequestOutput:
+    """What a frontend hears of one applied sample (``tokens``: what a verification of
+    drafts gained instead, which never asks for logprobs)."""
+    if tokens is not None:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=tokens,
+            finish_reason=reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+        )
     logprobs = None if request.params.logprobs is None else [sample.logprob or 0.0]
     tops = None if not request.params.logprobs else [sample.top_logprobs or []]
     return RequestOutput(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol.kv_events import FORMATS
+from protocol.params import MAX_SPECULATIVE_TOKENS
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,9 @@ class SchedulerConfig:
     lets requests share the K/V of full blocks with equal hashes (a common prefix).
     ``kv_events_endpoint`` turns on vLLM's KV events (``scheduler.kv_publisher``): the prefix
     cache's changes published there, with a replay socket at ``kv_events_replay_endpoint``.
+    ``speculative`` "ngram" drafts up to ``num_speculative_tokens`` tokens per request and step
+    from its own context (``scheduler.speculation``); a request's own
+    ``num_speculative_tokens`` overrides the number (0 turns it off for that request).
     """
 
     num_slots: int | None = None
@@ -48,6 +52,26 @@ class SchedulerConfig:
     enable_prefix_caching: bool = field(
         default=True,
         metadata={"help": "share the K/V of full blocks between requests with a common prefix"},
+    )
+
+    speculative: str = field(
+        default="off",
+        metadata={
+            "help": "draft tokens from each request's own prompt and output (ngram: prompt "
+            "lookup) and verify them in its next step",
+            "choices": ("off", "ngram"),
+        },
+    )
+    num_speculative_tokens: int = field(
+        default=4,
+        metadata={"help": "draft tokens a request verifies per step, at most (with speculative)"},
+    )
+    speculative_max_running: int = field(
+        default=8,
+        metadata={
+            "help": "no drafts while more requests than this run: a step with drafts is not a "
+            "decode step (no CUDA graph or compiled step), and in a busy batch drafts rarely pay"
+        },
     )
 
     kv_events_endpoint: str | None = field(
@@ -78,6 +102,11 @@ class SchedulerConfig:
         metadata={"help": "the KV events' topic, empty by default (llm-d reads kv@POD@MODEL)"},
     )
 
+    @property
+    def speculative_tokens(self) -> int:
+        """The default draft tokens per request and step (0: speculation off)."""
+        return self.num_speculative_tokens if self.speculative == "ngram" else 0
+
     def __post_init__(self) -> None:
         if self.num_slots is not None and self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
@@ -89,6 +118,17 @@ class SchedulerConfig:
             raise ValueError(f"watermark_blocks must be >= 0, got {self.watermark_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.speculative not in ("off", "ngram"):
+            raise ValueError(f"speculative must be off or ngram, got {self.speculative!r}")
+        if self.speculative_max_running < 0:
+            raise ValueError(
+                f"speculative_max_running must be >= 0, got {self.speculative_max_running}"
+            )
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.num_speculative_tokens}"
+            )
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             endpoint = getattr(self, name)
             if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):

@@ -234,7 +234,7 @@ class Engine(InProcessRuns):
         if not self.can_plan():
             raise RuntimeError(f"{len(self._in_flight)} steps are already in flight")
         batch = self.scheduler.schedule()
-        if not batch.chunks and not batch.released_slots:
+        if not batch.chunks and not batch.released_slots and not batch.rewinds:
             return None
         items = [step_item(chunk) for chunk in batch.chunks]
         step = StepInput(
@@ -242,6 +242,7 @@ class Engine(InProcessRuns):
             items=items,
             released_slots=batch.released_slots,
             audit=self.config.audit,
+            rewinds=batch.rewinds,
         )
         self._in_flight.append((batch, step))
         self._next_step_id += 1
@@ -273,18 +274,28 @@ class Engine(InProcessRuns):
             sample = samples.get(request.request_id)
             if sample is None:
                 raise RuntimeError(f"step {result.step_id} has no sample for {request.request_id}")
-            reason = on_sampled(request, sample.token_id)
+            gained = None
+            if chunk.drafts:
+                sampled = [sample.token_id, *sample.draft_samples]
+                gained, reason = scheduler.on_verified(request, chunk.drafts, sampled)
+            else:
+                reason = on_sampled(request, sample.token_id)
             if reason is not None:
                 scheduler.finish(request, reason)
-            outputs.append(request_output(request, sample, reason))
+            outputs.append(request_output(request, sample, reason, gained))
         return outputs
 
     def audit(self, rows: list[RowSummary] | None = None) -> None:
         """Check every invariant (InvariantViolation), between iterations. ``rows`` are the
         worker's rows after the last applied step; with a step still in flight they are audited
         as they will be once it has run (``project_rows``), the state the ledgers already show."""
-        if rows is not None and self._in_flight:
-            rows = project_rows(rows, [step for _, step in self._in_flight])
+        if rows is not None:
+            steps = [step for _, step in self._in_flight]
+            rewinds = self.scheduler.pending_rewinds  # the next step's, planned already
+            if rewinds:
+                steps.append(StepInput(step_id=-1, items=[], rewinds=list(rewinds)))
+            if steps:
+                rows = project_rows(rows, steps)
         audit_all(self.scheduler, rows)
 
     def stats(self) -> EngineStats:
@@ -320,4 +331,7 @@ class Engine(InProcessRuns):
             num_preemptions_total=s.num_preemptions_total,
             prefix_cache_queries=s.cache.queries,
             prefix_cache_hits=s.cache.hits,
+            spec_drafts_total=s.speculation.drafts_total,
+            spec_draft_tokens_total=s.speculation.draft_tokens_total,
+            spec_accepted_tokens_total=s.speculation.accepted_total,
         )

@@ -2,7 +2,8 @@
 
 The scheduler owns these records; the worker only ever sees StepItems built from them. A request
 changes only through its transitions (``admit``, ``take_cached``, ``grow``, ``advance``,
-``sampled``, ``offered``, ``release``, ``requeue``, ``finish``), which the scheduler and the
+``advance_draft``, ``verified``, ``cut_blocks``, ``sampled``, ``offered``, ``release``,
+``requeue``, ``finish``), which the scheduler and the
 prefix cache call; they read its fields but never write them.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from protocol.blocks import blocks_for
 from protocol.messages import PENDING_TOKEN, SamplingParams
 from scheduler.block_hash import block_hash, root_hash
+from scheduler.drafter import DraftState
 
 
 class RequestStatus(enum.Enum):
@@ -39,6 +41,11 @@ class Request:
     ``num_tokens`` but not yet of ``output_token_ids`` (the worker knows them, the scheduler
     does not yet). ``epoch`` changes at every preemption, so a result of a step planned before
     the preemption is recognised as stale and dropped.
+
+    Speculative decoding: ``num_draft`` counts draft tokens in flight, computed after its last
+    known token by a step whose result is not back (``advance_draft``). Their K/V counts in
+    ``num_computed`` until ``verified`` takes back the rejected ones, so while they fly it may
+    reach ``num_tokens - 1 + num_draft``. ``drafting`` is its drafter (None: it never drafts).
 
     Prefix caching: ``block_hashes`` is the hash chain of its full blocks of known tokens, grown
     as tokens become known; ``num_blocks_cached`` counts its leading blocks already offered to
@@ -66,6 +73,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_blocks_cached: int = 0
     num_cached_tokens: int | None = None
+    num_draft: int = 0
+    drafting: DraftState | None = None
     arrival_time: float = field(default_factory=time.monotonic)  # for its age on the web page
 
     @property
@@ -190,6 +199,36 @@ class Request:
             self.num_pending = pending + 1
         return new_blocks, sample
 
+    def advance_draft(self, drafts: list[int]) -> list[int]:
+        """Its last token (known, or pending from a step in flight) and ``drafts`` after it
+        are scheduled, sampled at every position: their K/V counts as computed until
+        ``verified``. Returns the blocks its cache row has not been told of yet."""
+        if self.num_draft or self.num_tokens - self.num_computed != 1:
+            raise RuntimeError(f"request {self.request_id} drafts only after one decode token")
+        new_blocks = self.block_ids[self.blocks_sent :]
+        self.blocks_sent = len(self.block_ids)
+        self.num_computed += 1 + len(drafts)
+        self.high_water = max(self.high_water, self.num_computed - len(drafts))
+        self.num_pending, self.num_draft = self.num_pending + 1, len(drafts)
+        return new_blocks
+
+    def verified(self, accepted: int) -> None:
+        """Its drafts came back (every earlier step's token has) with the first ``accepted``
+        accepted: the rest's K/V is void, and ``accepted + 1`` tokens are pending (the accepted
+        drafts and the token sampled after them), to be passed to ``sampled`` in order."""
+        if not 0 <= accepted <= self.num_draft or self.num_pending != 1:
+            raise RuntimeError(f"request {self.request_id}: {accepted} of {self.num_draft} drafts")
+        self.num_computed -= self.num_draft - accepted
+        self.num_pending, self.num_draft = accepted + 1, 0
+
+    def cut_blocks(self, keep: int) -> list[int]:
+        """Keep its first ``keep`` blocks (the rest held rejected drafts' K/V); returns the
+        others, for the allocator."""
+        cut = self.block_ids[keep:]
+        del self.block_ids[keep:]
+        self.blocks_sent = min(self.blocks_sent, keep)
+        return cut
+
     def sampled(self, token_id: int) -> None:
         """Its oldest pending token came back: it is ``token_id``."""
         if self.num_pending < 1:
@@ -204,7 +243,7 @@ class Request:
     def release(self) -> None:
         """Its blocks and slot went back to the ledgers: nothing held, nothing computed."""
         self.block_ids, self.blocks_sent, self.slot = [], 0, None
-        self.num_computed = self.num_blocks_cached = 0
+        self.num_computed = self.num_blocks_cached = self.num_draft = 0
 
     def requeue(self) -> None:
         """Preempted (after ``release``): waiting again, its tokens kept. A token sampled by a

@@ -21,19 +21,29 @@ Overlap: scheduling a chunk advances the request at once (``num_computed``, a pe
 it samples), so ``schedule()`` may run again before the result is back. A request whose pending
 tokens reach ``max_tokens`` or ``max_model_len`` is not grown (its finish is certain); one that
 stops on EOS or a stop token runs one surplus step, whose token is dropped.
+
+Speculative decoding (``Speculation``): a decoding request may carry draft tokens after its last
+token (known, or pending from a plain decode in flight), in the same step as everyone else's work
+and within the token budget, with blocks for them reserved as for any growth. Where its next
+step starts depends on how many drafts are accepted, so while a verification is in flight the
+request is left out of the steps planned (it gives up the overlap for that step).
+``on_verified`` applies the result: accepted drafts and the token sampled after them join its
+tokens, the rejected ones' blocks go back at once, and its cache row is cut back with the next
+step (``Rewind``).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from protocol.messages import SamplingParams
+from protocol.messages import Rewind, SamplingParams
 from scheduler.batch import Batch, ScheduledChunk
 from scheduler.block_allocator import BlockAllocator
 from scheduler.errors import RequestRejected
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import Request, RequestStatus
 from scheduler.slots import Slots
+from scheduler.speculation import Speculation
 
 
 class Scheduler:
@@ -49,6 +59,8 @@ class Scheduler:
         max_model_len: int | None = None,
         eos_token_ids: tuple[int, ...] = (),
         prefix_caching: bool = True,
+        speculative_tokens: int = 0,
+        speculative_max_running: int = 8,
     ) -> None:
         if token_budget < 1:
             raise ValueError(f"need token_budget >= 1, got {token_budget}")
@@ -74,6 +86,8 @@ class Scheduler:
         self.thrashed_admissions = 0
         self.tokens_scheduled = 0
         self.tokens_recomputed = 0
+        self.speculation = Speculation(speculative_tokens, speculative_max_running)
+        self._rewinds: dict[int, Rewind] = {}  # by slot: rows to cut back with the next step
 
     # -- the ledgers, as the auditor reads them -----------------------------------------------
     @property
@@ -85,6 +99,11 @@ class Scheduler:
     def admissible_blocks(self) -> int:
         """The most blocks a request can be admitted holding while the reserve is kept."""
         return self.allocator.num_blocks - self.watermark_blocks
+
+    @property
+    def pending_rewinds(self) -> tuple[Rewind, ...]:
+        """Rows to cut back with the next step (after rejected drafts), by slot order."""
+        return tuple(self._rewinds[slot] for slot in sorted(self._rewinds))
 
     def get(self, request_id: str) -> Request | None:
         """The waiting or running request with this id, if any."""
@@ -165,34 +184,65 @@ class Scheduler:
         """Decide this iteration's work (see the module docstring for the phases)."""
         chunks: list[ScheduledChunk] = []
         # Phase 1: grow the running requests, preempting the newest when blocks run out.
-        budget = self._grow(chunks, self.token_budget)
+        waiting_on_drafts: list[Request] = []
+        budget = self._grow(chunks, self.token_budget, waiting_on_drafts)
         # Phase 2: admit from the head of the waiting queue.
         self._admit(chunks, budget)
         # Phase 3: offer the index the blocks this step fills, after admission (PrefixCache).
         self.cache.offer_all([chunk.request for chunk in chunks])
-        return Batch(chunks, self.slots.take_releases())
+        if chunks and waiting_on_drafts:  # what drafting cost them (Speculation)
+            self.speculation.left_out(waiting_on_drafts)
+        rewinds, self._rewinds = self.pending_rewinds, {}
+        return Batch(chunks, self.slots.take_releases(), list(rewinds))
 
-    def _grow(self, chunks: list[ScheduledChunk], budget: int) -> int:
+    def _grow(
+        self, chunks: list[ScheduledChunk], budget: int, waiting_on_drafts: list[Request]
+    ) -> int:
         size, max_len, running = (
             self.allocator.block_size,
             self.max_model_len,
             RequestStatus.RUNNING,
         )
+        speculation = self.speculation
+        drafting = len(self.running) <= speculation.max_running  # else nobody drafts
         for request in list(self.running):
             if budget == 0:
                 break
             if request.status is not running:
                 continue  # preempted a moment ago to make room for an older request
+            if request.num_draft:
+                waiting_on_drafts.append(request)  # where it goes on depends on its drafts
+                continue
             if request.finish_is_certain(max_len):
                 continue  # its in-flight sample ends it by length: no surplus step
             n = min(request.num_tokens - request.num_computed, budget)
-            # ceil((computed + n) / size) blocks: most decode steps need no new one.
-            missing = -(-(request.num_computed + n) // size) - len(request.block_ids)
+            drafts: list[int] = []
+            if n == 1 and drafting and speculation.may_draft(request):
+                drafts = speculation.drafts(request, budget - n, max_len)
+                drafts = self._fit_drafts(request, drafts)
+                if not drafts:
+                    speculation.paused_step(request)
+            # ceil((computed + n + drafts) / size) blocks: most decode steps need no new one.
+            need = request.num_computed + n + len(drafts)
+            missing = -(-need // size) - len(request.block_ids)
             if missing > 0 and not self._reserve_blocks(request, missing):
                 continue
-            chunks.append(self._chunk(request, n))
-            budget -= n
+            chunks.append(self._chunk(request, n, drafts))
+            budget -= n + len(drafts)
         return budget
+
+    def _fit_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """``drafts`` cut to the blocks the request may take for them: drafts never preempt
+        anyone and, like an admission, leave the watermark's reserve free; what its next token
+        needs anyway is not theirs to count."""
+        if not drafts:
+            return drafts
+        size, held = self.allocator.block_size, len(request.block_ids)
+        computed = request.num_computed + 1  # its last known token, computed in any case
+        needed = max(0, -(-computed // size) - held)  # blocks that token needs anyway
+        spare = self.allocator.num_free - needed - self.watermark_blocks
+        most = (held + needed + max(0, spare)) * size - computed  # draft positions that fit
+        return drafts[: max(0, most)]
 
     def _reserve_blocks(self, request: Request, missing: int) -> bool:
         """Give ``request`` ``missing`` more blocks; False if it was preempted instead."""
@@ -258,13 +308,18 @@ class Scheduler:
         self.cache.admitted(request, len(hits))
         self.running.append(request)
 
-    def _chunk(self, request: Request, n: int) -> ScheduledChunk:
-        """Schedule ``n`` tokens of ``request``, computed from here on (see Overlap)."""
+    def _chunk(self, request: Request, n: int, drafts: list[int] | None = None) -> ScheduledChunk:
+        """Schedule ``n`` tokens of ``request``, and its ``drafts`` after them, computed from
+        here on (see Overlap)."""
         start, high_water = request.num_computed, request.high_water
         fresh = request.blocks_sent == 0
         self.tokens_scheduled += n
         if start < high_water:  # K/V it had before a preemption, bought again
             self.tokens_recomputed += min(start + n, high_water) - start
+        if drafts:
+            new_blocks = request.advance_draft(drafts)
+            epoch = request.epoch
+            return ScheduledChunk(request, start, n, True, new_blocks, epoch, drafts=tuple(drafts))
         new_blocks, sample = request.advance(n)
         return ScheduledChunk(request, start, n, sample, new_blocks, request.epoch, fresh)
 
@@ -280,12 +335,35 @@ class Scheduler:
         self.cache.offer(request)
         return request.stop_reason(token_id, self.eos_token_ids, self.max_model_len)
 
+    def on_verified(
+        self, request: Request, drafts: tuple[int, ...], sampled: list[int]
+    ) -> tuple[list[int], str | None]:
+        """A step verified ``request``'s ``drafts`` with the tokens ``sampled`` at each
+        position: the tokens it gains (the accepted drafts, then the token sampled after them),
+        and why it ends, or None. The rejected drafts' blocks go back now, and its cache row is
+        cut back with the next step."""
+        accepted = self.speculation.verify(request, drafts, sampled)
+        request.verified(accepted)
+        gained, reason = [], None
+        for token in (*drafts[:accepted], sampled[accepted]):
+            reason = self.on_sampled(request, token)
+            gained.append(token)
+            if reason is not None:
+                return gained, reason  # the request ends here: finish() frees the rest
+        if accepted < len(drafts):
+            keep = self.allocator.blocks_for_length(request.num_computed)
+            self.allocator.free_all(request.cut_blocks(keep)[::-1])
+            slot, computed = request.slot, request.num_computed
+            self._rewinds[slot] = Rewind(slot=slot, num_blocks=keep, num_cached=computed)
+        return gained, None
+
     # -- helpers ----------------------------------------------------------------------------------
     def _give_back(self, request: Request) -> None:
         # Deepest first: a chain's tail is then evicted before its (more shared) head.
         self.allocator.free_all(request.block_ids[::-1])
         if request.slot is not None:
             self.slots.give_back(request.slot)
+            self._rewinds.pop(request.slot, None)  # the row is emptied instead
         request.release()
 
     def _forget(self, request: Request, reason: str) -> None:

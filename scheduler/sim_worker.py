@@ -83,11 +83,23 @@ class SimWorker:
         began = time.perf_counter()
         for slot in step.released_slots:
             self._rows[slot] = _Row()
+        for rewind in step.rewinds:
+            row = self._rows[rewind.slot]
+            if rewind.num_cached > row.num_cached or rewind.num_blocks > len(row.block_ids):
+                raise ValueError(f"slot {rewind.slot}: a rewind past the row's end")
+            del row.block_ids[rewind.num_blocks :]
+            row.num_cached, row.last_sampled = rewind.num_cached, None
         samples = []
         for item in step.items:
             token = self._run_item(item)
             if token is not None:
-                samples.append(Sample(request_id=item.request_id, token_id=token))
+                row = self._rows[item.slot]
+                drafts = [  # sampled after each draft token, as the real worker does
+                    self._next_token(row, row.num_cached - item.num_draft + i)
+                    for i in range(1, item.num_draft + 1)
+                ]
+                sample = Sample(request_id=item.request_id, token_id=token, draft_samples=drafts)
+                samples.append(sample)
         rows = self.rows() if step.audit else None
         return StepResult(
             step_id=step.step_id, samples=samples, rows=rows, forward_s=time.perf_counter() - began
@@ -104,9 +116,9 @@ class SimWorker:
             )
         tokens = list(item.token_ids)
         if PENDING_TOKEN in tokens:
-            if tokens != [PENDING_TOKEN] or item.fresh or row.last_sampled is None:
+            if tokens[0] != PENDING_TOKEN or item.fresh or row.last_sampled is None:
                 raise ValueError(f"slot {item.slot}: a pending token with nothing sampled")
-            tokens = [row.last_sampled]
+            tokens = [row.last_sampled, *tokens[1:]]
         row.last_sampled = None
         if not item.fresh:
             row.block_ids += item.new_blocks
@@ -118,7 +130,7 @@ class SimWorker:
             self._kv[row.block_ids[pos // size]][pos % size] = token
         row.num_cached += len(tokens)
         if item.sample:
-            row.last_sampled = self._next_token(row)
+            row.last_sampled = self._next_token(row, row.num_cached - item.num_draft)
         return row.last_sampled
 
     def _begin(self, item: StepItem) -> _Row:
@@ -135,11 +147,10 @@ class SimWorker:
         self._rows[item.slot] = row
         return row
 
-    def _next_token(self, row: _Row) -> int:
+    def _next_token(self, row: _Row, length: int) -> int:
+        """The token sampled after the row's first ``length`` positions."""
         size = len(self._kv[0])
-        history = array(
-            "q", (self._kv[row.block_ids[p // size]][p % size] for p in range(row.num_cached))
-        )
+        history = array("q", (self._kv[row.block_ids[p // size]][p % size] for p in range(length)))
         if -1 in history:
             raise ValueError(f"row of {row.request_id} reads K/V that was never computed")
         return zlib.crc32(history.tobytes()) % self._ready.vocab_size

@@ -49,6 +49,8 @@ def build_scheduler(
         max_model_len=min(config.max_model_len or ready.max_model_len, ready.max_model_len),
         eos_token_ids=tuple(ready.eos_token_ids),
         prefix_caching=config.enable_prefix_caching,
+        speculative_tokens=config.speculative_tokens,
+        speculative_max_running=config.speculative_max_running,
     )
 
 

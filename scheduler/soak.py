@@ -54,6 +54,9 @@ class SoakReport:
     outputs: list[list[int]]
     prefix_queries: int = 0  # tokens of every admission
     prefix_hits: int = 0  # of those, found in the prefix cache
+    drafts: int = 0  # verifications of draft tokens (speculative decoding)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def text_digest(self) -> str:
@@ -73,6 +76,8 @@ class SoakReport:
                 f"recompute share     {self.recompute_share:.1%}",
                 f"thrashed admissions {self.thrashed_admissions}",
                 f"prefix cache hits   {self.prefix_hits} of {self.prefix_queries} tokens admitted",
+                f"draft tokens        {self.accepted_tokens} of {self.draft_tokens} accepted "
+                f"in {self.drafts} verifications",
                 f"text digest         {self.text_digest}",
                 "every block back, every slot back, every row empty",
             ]
@@ -129,6 +134,9 @@ def soak(
         outputs=[list(r.output_token_ids) for r in requests.values()],
         prefix_queries=sched.cache.queries,
         prefix_hits=sched.cache.hits,
+        drafts=sched.speculation.drafts_total,
+        draft_tokens=sched.speculation.draft_tokens_total,
+        accepted_tokens=sched.speculation.accepted_total,
     )
 
 

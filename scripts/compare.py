@@ -28,6 +28,10 @@ with ignore_eos, greedy, streaming) at each ``--concurrency``, one server at a t
 ``llama-server`` is built from the llama-cpp-python sdist on PyPI the first time it is asked for
 (7 minutes on two busy cores; kept in ``--llama-cache``), or taken from ``--llama-server``.
 
+``--workload repetitive`` runs concurrency 1 on ``bench serve --dataset repetitive``, nanoserve
+without and with ``--speculative ngram`` and llama-server without drafts and with each
+``--llama-spec-types`` n-gram kind, over ``--runs`` starts (``scripts/compare_repetitive.py``).
+
 ``--workload multi-turn`` runs ``bench serve --dataset multi-turn`` instead (conversations that
 resend their whole history each turn, a shared system prompt, the server's replies fed back),
 against nanoserve with prefix caching on and off and against llama-server with its default
@@ -52,7 +56,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 
-import noisy_neighbour  # noqa: E402 - after the path setup above
+import compare_repetitive  # noqa: E402 - after the path setup above
+import noisy_neighbour  # noqa: E402
 from compare_servers import (  # noqa: E402
     build_llama_server,
     start_as_readme,
@@ -146,7 +151,9 @@ def multi_turn_rows(args: argparse.Namespace, work: Path, logs: Path) -> list[di
     return rows
 
 
-def _llama_server(args: argparse.Namespace, logs: Path, slot_context: int = 512):
+def _llama_server(
+    args: argparse.Namespace, logs: Path, slot_context: int = 512, extra: tuple[str, ...] = ()
+):
     from models.files import resolve_model
 
     binary, built_s = args.llama_server, 0.0
@@ -157,7 +164,7 @@ def _llama_server(args: argparse.Namespace, logs: Path, slot_context: int = 512)
     gguf = resolve_model(None).source
     threads = os.cpu_count() or 1
     return start_llama_server(
-        binary, gguf, logs / "llama.cpp", args.llama_slots, threads, slot_context
+        binary, gguf, logs / "llama.cpp", args.llama_slots, threads, slot_context, extra
     )
 
 
@@ -472,9 +479,16 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--workload",
-        choices=("throughput", "multi-turn"),
+        choices=("throughput", "multi-turn", "repetitive"),
         default="throughput",
-        help="throughput: random prompts at --concurrency; multi-turn: chat conversations",
+        help="throughput: random prompts at --concurrency; multi-turn: chat conversations; "
+        "repetitive: concurrency 1, speculative decoding on and off (and llama.cpp's n-grams)",
+    )
+    parser.add_argument(
+        "--llama-spec-types",
+        default=compare_repetitive.LLAMA_SPEC_TYPES,
+        type=lambda s: s.split(","),
+        help="repetitive: llama-server's --spec-type kinds to run beside its plain run",
     )
     parser.add_argument("--conversations", type=int, default=8, help="multi-turn, at once")
     parser.add_argument("--turns", type=int, default=6, help="multi-turn: turns each")
@@ -513,6 +527,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--with-llamacpp", action="store_true", help="also bench llama-server")
     parser.add_argument(
+        "--speculative",
+        choices=("off", "ngram"),
+        default="off",
+        help="throughput: nanoserve's --speculative (its rows' dtype reads '+ ngram')",
+    )
+    parser.add_argument(
         "--c1-rounds",
         type=int,
         default=3,
@@ -535,6 +555,21 @@ def main() -> int:
     args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="nanoserve-compare-"))
     logs = args.log_dir or work / "logs"
+    if args.workload == "repetitive":
+        if args.with_llamacpp and args.llama_server is None:  # built before anything is timed
+            args.llama_server, _ = build_llama_server(args.llama_cache)
+        rows = compare_repetitive.repetitive_rows(
+            args,
+            work,
+            logs,
+            lambda args, logs, extra: _llama_server(args, logs, slot_context=2048, extra=extra),
+        )
+        print()
+        print(compare_repetitive.table(rows))
+        print("\n".join(compare_repetitive.verdicts(rows)))
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        return 0
     if args.workload == "multi-turn":
         rows = multi_turn_rows(args, work, logs)
         print()
@@ -558,8 +593,11 @@ def main() -> int:
         for dtype in args.dtypes:
             for compile in (False, True) if args.compile else (False,):
                 label = f"{dtype} compiled" if compile else dtype
-                log_dir = logs / f"nanoserve-{label}".replace(" ", "-")
-                server = start_nanoserve(dtype, log_dir, args.threads, compile)
+                if args.speculative != "off":
+                    label += f" + {args.speculative}"
+                log_dir = logs / f"nanoserve-{label}".replace(" ", "-").replace("+", "")
+                env = {"NANOSERVE_SPECULATIVE": args.speculative}
+                server = start_nanoserve(dtype, log_dir, args.threads, compile, env)
                 rows += run_server("nanoserve", label, server, args, work)
     if args.with_llamacpp:
         from models.files import resolve_model

@@ -18,6 +18,7 @@ import tarfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
@@ -166,17 +167,24 @@ def start_as_readme(log_dir: Path, port: int = 8000) -> ReadmeServer:
 
 
 def start_llama_server(
-    binary: Path, gguf: Path, log_dir: Path, slots: int, threads: int, slot_context: int = 512
+    binary: Path,
+    gguf: Path,
+    log_dir: Path,
+    slots: int,
+    threads: int,
+    slot_context: int = 512,
+    extra: Sequence[str] = (),
 ):
     """llama-server on the same GGUF: ``slots`` parallel slots, continuous batching, each slot
     with room for ``slot_context`` tokens, and its defaults otherwise (``cache_prompt`` on: a
-    slot reuses the K/V of its previous prompt)."""
+    slot reuses the K/V of its previous prompt); ``extra`` flags after those (``--spec-type
+    ngram-simple``)."""
     server = Server("llama.cpp", free_port(), log_dir)
     command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(server.port)]
     command += ["-np", str(slots), "-c", str(slot_context * slots), "-cb", "-t", str(threads)]
     # Enough HTTP threads for every client: with the default (about one per slot) connections
     # beyond them are refused, which is failure, not queueing.
-    command += ["--threads-http", "64"]
+    command += ["--threads-http", "64", *extra]
     try:
         server.spawn("llama-server", command, dict(os.environ))
         server.wait_ready("/health", timeout=120)

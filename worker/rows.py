@@ -11,7 +11,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from protocol.messages import PENDING_TOKEN, RowSummary, SamplingParams, StepInput, StepItem
+from protocol.messages import (
+    PENDING_TOKEN,
+    Rewind,
+    RowSummary,
+    SamplingParams,
+    StepInput,
+    StepItem,
+)
 
 
 @dataclass
@@ -56,6 +63,7 @@ class RowTable:
         released = set(step.released_slots)
         for slot in released:
             self._check_slot(slot)
+        rewound = {rewind.slot: self._check_rewind(rewind, released) for rewind in step.rewinds}
         seen: set[int] = set()
         for item in step.items:
             self._check_slot(item.slot)
@@ -63,7 +71,35 @@ class RowTable:
                 raise ValueError(f"slot {item.slot} appears twice in step {step.step_id}")
             seen.add(item.slot)
             row = Row() if item.slot in released else self.rows[item.slot]
-            self._check_item(item, row, vocab_size)
+            self._check_item(item, rewound.get(item.slot, row), vocab_size)
+
+    def _check_rewind(self, rewind: Rewind, released: set[int]) -> Row:
+        """A rewind cuts a held row back, never forward; returns the row as it leaves it."""
+        self._check_slot(rewind.slot)
+        row = self.rows[rewind.slot]
+        n, blocks = rewind.num_cached, rewind.num_blocks
+        if (
+            rewind.slot in released
+            or row.request_id is None
+            or not 0 < n <= row.num_cached
+            or not 0 < blocks <= len(row.block_table)
+            or n > blocks * self.block_size
+        ):
+            raise ValueError(
+                f"slot {rewind.slot}: a rewind to {n} tokens in {blocks} blocks does not cut "
+                f"back its row ({row.request_id!r}, {row.num_cached} tokens in "
+                f"{len(row.block_table)} blocks)"
+            )
+        return Row(row.request_id, row.block_table[:blocks], n, row.params, row.prompt_len)
+
+    def rewind(self, rewinds: list[Rewind]) -> None:
+        """Cut checked rows back over rejected draft tokens: blocks, K/V count and history."""
+        for rewind in rewinds:
+            row = self.rows[rewind.slot]
+            del row.block_table[rewind.num_blocks :]
+            del row.history[rewind.num_cached :]
+            row.num_cached = rewind.num_cached
+            row.sampled, row.last_sampled = False, None
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < len(self.rows):
@@ -89,9 +125,17 @@ class RowTable:
                 f"{where}: positions up to {end} exceed {blocks} blocks of {self.block_size} "
                 f"or max_model_len {self.max_model_len}"
             )
+        if item.num_draft:
+            self._check_drafts(item, row, where)
         if PENDING_TOKEN in item.token_ids:
-            if list(item.token_ids) != [PENDING_TOKEN] or item.fresh:
-                raise ValueError(f"{where}: a pending token must be an item's only token")
+            alone = len(item.token_ids) == 1 + item.num_draft  # drafts may follow it
+            if item.token_ids[0] != PENDING_TOKEN or not alone or item.fresh:
+                raise ValueError(
+                    f"{where}: a pending token must be an item's only token, or its first "
+                    "before draft tokens"
+                )
+            if PENDING_TOKEN in item.token_ids[1:]:
+                raise ValueError(f"{where}: a draft token is pending")
             if not row.sampled:
                 raise ValueError(f"{where}: a pending token, but the row's last step sampled none")
         bad = [b for b in item.new_blocks if not 0 <= b < self.num_blocks]
@@ -99,6 +143,25 @@ class RowTable:
         bad_tokens = [t for t in tokens if not 0 <= t < vocab_size and t != PENDING_TOKEN]
         if bad or bad_tokens:
             raise ValueError(f"{where}: block ids {bad} or token ids {bad_tokens} out of range")
+
+    def _check_drafts(self, item: StepItem, row: Row, where: str) -> None:
+        """Drafts follow a known token of a running row that samples at every position, with
+        no state the sampler would have to roll back per position."""
+        params = row.params or SamplingParams()
+        if item.fresh or not item.sample or not 0 < item.num_draft < len(item.token_ids):
+            raise ValueError(
+                f"{where}: {item.num_draft} draft tokens need a sampled item of a running row, "
+                "with a token before them"
+            )
+        if (
+            params.grammar is not None
+            or params.logprobs is not None
+            or params.repetition_penalty != 1.0
+            or params.presence_penalty
+            or params.frequency_penalty
+        ):
+            message = "draft tokens on a row with a grammar, logprobs or penalties"
+            raise ValueError(f"{where}: {message}")
 
     def _check_fresh(self, item: StepItem, where: str) -> None:
         if item.params is None or item.prompt_len < 1:
@@ -132,9 +195,10 @@ class RowTable:
             row = Row(item.request_id, [], item.start, params, item.prompt_len, history, seed)
             self.rows[item.slot] = row
         tokens = list(item.token_ids)
-        if tokens == [PENDING_TOKEN]:
+        if tokens[0] == PENDING_TOKEN:  # alone, or before draft tokens
             known = row.last_sampled
             row.history.append(PENDING_TOKEN if known is None else known)
+            row.history.extend(tokens[1:])
         else:
             row.history.extend(tokens)
         row.sampled, row.last_sampled = False, None  # set again only if this item samples

@@ -173,6 +173,7 @@ class Worker:
                 step = tp_steps.lead(self.group, step, self.row_table)
             self.row_table.check(step, self.spec.vocab_size)
             self.row_table.release(step.released_slots)
+            self.row_table.rewind(step.rewinds)
             applied = [self.row_table.apply(item) for item in step.items]
             bs = self.config.block_size
             self.cache.zero_blocks([b for item in step.items for b in written_blocks(item, bs)])
@@ -180,8 +181,8 @@ class Worker:
             sampled = [(item, row) for item, (row, _) in pairs if item.sample]
             if not self.group.leader:  # a rank other than the leader only computes its share
                 sampled = []
-            for _, row in sampled:
-                row.sampled = True
+            for item, row in sampled:
+                row.sampled = not item.num_draft  # no pending token follows a draft item
             rows = [row for _, row in sampled]
             grammar = any(row.params.grammar is not None for row in rows)
 

@@ -124,7 +124,27 @@ SCRAPED = (
     "grammar_mask_apply",
     "frontend_cpu",
     "scheduler_cpu",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
 )
+
+
+def acceptance(before: dict, after: dict) -> dict[str, float | None]:
+    """Speculative decoding over the run: verifications, draft tokens and accepted ones, and
+    the mean acceptance length (tokens a verification yields: accepted drafts plus its own);
+    None without the metrics or drafts."""
+    counts = {
+        name: busy_delta(before.get(fragment), after.get(fragment))
+        for name, fragment in (
+            ("spec_drafts", "spec_decode_num_drafts"),
+            ("spec_draft_tokens", "spec_decode_num_draft_tokens"),
+            ("spec_accepted_tokens", "spec_decode_num_accepted_tokens"),
+        )
+    }
+    drafts, accepted = counts["spec_drafts"], counts["spec_accepted_tokens"]
+    length = None if not drafts or accepted is None else (accepted + drafts) / drafts
+    return {**counts, "spec_acceptance_length": length}
 
 
 def us_per_grammar_token(before: dict, after: dict, seconds: str) -> float | None:

@@ -27,6 +27,7 @@ from nanoserve.bench.data import (
 )
 from nanoserve.bench.metrics import (
     RequestResult,
+    acceptance,
     busy_delta,
     busy_ratio,
     cpu_us_per_token,
@@ -50,7 +51,7 @@ class BenchServeConfig:
     endpoint_type: str = "completions"  # or "chat"
     model: str | None = None  # None: the first model /v1/models lists
     api_key: str | None = None
-    dataset: str = "random"  # or "shipped", or "multi-turn" (chat conversations)
+    dataset: str = "random"  # or "shipped", "repetitive", "multi-turn" (chat conversations)
     prompt_format: str = "ids"  # or "text"
     num_prompts: int = 100
     input_len: int = 128
@@ -74,7 +75,7 @@ class BenchServeConfig:
 
     def __post_init__(self) -> None:
         _choice("endpoint type", self.endpoint_type, ("completions", "chat"))
-        _choice("dataset", self.dataset, ("random", "shipped", "multi-turn"))
+        _choice("dataset", self.dataset, ("random", "shipped", "multi-turn", "repetitive"))
         if self.dataset == "multi-turn" and self.endpoint_type != "chat":
             raise ValueError("the multi-turn dataset needs --endpoint-type chat")
         for name in ("num_conversations", "turns", "system_len"):
@@ -306,6 +307,7 @@ class BenchServe:
             "grammar_apply_us_per_token": us_per_grammar_token(before, after, "grammar_mask_apply"),
             "frontend_cpu_us_per_token": cpu_us_per_token(before, after, "frontend_cpu", tokens),
             "scheduler_cpu_us_per_token": cpu_us_per_token(before, after, "scheduler_cpu", tokens),
+            **acceptance(before, after),
             "frontends": after.count if after.frontends else None,
             "per_frontend": per_frontend(before, after),
         }

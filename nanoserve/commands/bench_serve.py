@@ -42,9 +42,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     work = p.add_argument_group("workload")
     work.add_argument(
         "--dataset",
-        choices=("random", "shipped", "multi-turn"),
+        choices=("random", "shipped", "multi-turn", "repetitive"),
         default="random",
-        help="multi-turn: chat conversations that resend their history (--endpoint-type chat)",
+        help="multi-turn: chat conversations that resend their history (--endpoint-type chat); "
+        "repetitive: return the prompt's paragraph or JSON with one change (for speculation)",
     )
     work.add_argument(
         "--random-prefix-len", type=int, default=0, help="one shared prefix before every prompt"
@@ -235,6 +236,10 @@ def format_table(report: dict) -> str:
     if report.get("grammar_fill_us_per_token") is not None:
         rows.append(("Grammar mask fill (us/token):", report["grammar_fill_us_per_token"]))
         rows.append(("Grammar mask wait+apply (us/token):", report["grammar_apply_us_per_token"]))
+    if report.get("spec_drafts"):
+        rows.append(("Draft verifications:", int(report["spec_drafts"])))
+        rows.append(("Draft tokens (accepted):", _accepted(report)))
+        rows.append(("Mean acceptance length:", report["spec_acceptance_length"]))
     lines = [" Serving Benchmark Result ".center(_WIDTH, "=")]
     lines += [_row(label, value) for label, value in rows]
     for key, short, title in _SECTIONS:
@@ -269,6 +274,11 @@ def _turn_lines(report: dict) -> list[str]:
             f"  {ttft['median'] or 0:>6.0f}"
         )
     return lines
+
+
+def _accepted(report: dict) -> str:
+    drafted, accepted = report["spec_draft_tokens"] or 0, report["spec_accepted_tokens"] or 0
+    return f"{drafted:.0f} ({accepted:.0f}, {accepted / drafted:.0%})" if drafted else "0"
 
 
 def _row(label: str, value: object) -> str:

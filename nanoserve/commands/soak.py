@@ -31,6 +31,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="share cached full blocks between requests (default: on)",
     )
     p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding: up to K n-gram draft tokens per request and step (0: off)",
+    )
+    p.add_argument(
         "--inject-leak",
         type=int,
         default=None,
@@ -57,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         watermark_blocks=args.watermark_blocks,
         audit=True,
         enable_prefix_caching=args.enable_prefix_caching,
+        speculative="ngram" if args.num_speculative_tokens else "off",
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     worker = make_worker(args)
     ready = worker.ready()
@@ -75,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         f"{args.requests} requests, {args.num_slots} slots, {ready.num_blocks} blocks of "
         f"{ready.block_size}, budget {args.token_budget}, reserve {args.watermark_blocks}, "
         f"shared prefix {args.shared_prefix_blocks} blocks, prefix caching "
-        f"{'on' if args.enable_prefix_caching else 'off'}"
+        f"{'on' if args.enable_prefix_caching else 'off'}, draft tokens "
+        f"{args.num_speculative_tokens}"
     )
     print(report.format())
     return 0

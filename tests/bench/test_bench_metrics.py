@@ -16,6 +16,7 @@ from nanoserve.bench.data import (
 )
 from nanoserve.bench.metrics import (
     RequestResult,
+    acceptance,
     busy_ratio,
     meets_slos,
     percentile,
@@ -183,6 +184,40 @@ def test_text_and_shipped_workloads():
     assert len(set(prompts)) >= 50
     assert {r.prompt for r in shipped} == set(prompts)  # 60 picks cycle through all 52
     assert all(r.output_len == 20 for r in shipped)
+
+
+def test_repetitive_workload_asks_for_its_own_text_back():
+    reqs = _workload(dataset="repetitive", prompt_format="text", num_prompts=40, input_len=60)
+    assert reqs == _workload(
+        dataset="repetitive", prompt_format="text", num_prompts=40, input_len=60
+    )
+    kinds = {r.prompt.split(",")[0].split(" this ")[0] for r in reqs}
+    assert kinds == {"Rewrite", "Return"}  # paragraphs to rewrite and JSON to return
+    shipped = load_shipped_prompts()
+    for r in reqs:
+        body = r.prompt.split("\n\n", 1)[1]
+        assert r.prompt_len >= 60 and r.output_len == 20
+        if r.prompt.startswith("Return"):
+            assert set(json.loads(body).values()) <= set(shipped)
+        else:
+            assert any(text in body for text in shipped)
+
+
+def test_acceptance_from_two_scrapes():
+    before = {
+        "spec_decode_num_drafts": ("d_total", 10.0),
+        "spec_decode_num_draft_tokens": ("t_total", 40.0),
+        "spec_decode_num_accepted_tokens": ("a_total", 20.0),
+    }
+    after = {key: (name, value * 3) for key, (name, value) in before.items()}
+    # 20 verifications of 80 drafts that accepted 40: 60 tokens, 3 a verification.
+    assert acceptance(before, after) == {
+        "spec_drafts": 20.0,
+        "spec_draft_tokens": 80.0,
+        "spec_accepted_tokens": 40.0,
+        "spec_acceptance_length": 3.0,
+    }
+    assert acceptance({}, {})["spec_acceptance_length"] is None  # a server without them
 
 
 def test_payload_forces_length_and_greedy():

@@ -170,3 +170,65 @@ def test_rounds_merge_into_medians_and_a_failed_round_fails_the_row():
     assert compare.merge_rounds([*rounds, {"failed": "not done in 240 s"}]) == {
         "failed": "not done in 240 s"
     }
+
+
+def test_repetitive_runs_each_server_with_and_without_drafts(monkeypatch, tmp_path):
+    """Per start: nanoserve without and with --speculative ngram, then llama-server plain and
+    with each n-gram --spec-type; the verdicts hold each start to the 0.6x and llama.cpp bars."""
+    repetitive = _load("compare_repetitive")
+    events = []
+
+    class Stub:
+        def __init__(self, name: str) -> None:
+            self.url = name
+
+        def stop(self) -> None:
+            events.append(f"stop {self.url}")
+
+    def nanoserve(dtype, log_dir, threads, compile, env):
+        events.append(f"nanoserve {dtype} {env['NANOSERVE_SPECULATIVE']}")
+        return Stub(f"nano-{env['NANOSERVE_SPECULATIVE']}")
+
+    def llama(args, logs, extra):
+        events.append(f"llama {' '.join(extra) or 'plain'}")
+        return Stub(f"llama-{extra[-1] if extra else 'off'}")
+
+    itl = {"nano-off": 10.0, "nano-ngram": 5.0, "llama-off": 9.0}
+    itl |= {"llama-ngram-simple": 6.0, "llama-ngram-mod": 4.0}
+
+    def bench(url, args, out):
+        events.append(f"bench {url}")
+        length = 3.2 if url == "nano-ngram" else None
+        return {"itl_median": itl[url], "spec_acceptance_length": length}
+
+    monkeypatch.setattr(repetitive, "start_nanoserve", nanoserve)
+    monkeypatch.setattr(repetitive, "bench_repetitive", bench)
+    argv = ["compare.py", "--workload", "repetitive", "--runs", "2", "--with-llamacpp"]
+    argv += ["--llama-spec-types", "ngram-simple,ngram-mod"]
+    monkeypatch.setattr(sys, "argv", argv)
+    args = compare.parse_args()
+    rows = repetitive.repetitive_rows(args, tmp_path, tmp_path, llama)
+    one = [
+        "nanoserve auto off",
+        "bench nano-off",
+        "stop nano-off",
+        "nanoserve auto ngram",
+        "bench nano-ngram",
+        "stop nano-ngram",
+        "llama plain",
+        "bench llama-off",
+        "stop llama-off",
+        "llama --spec-type ngram-simple",
+        "bench llama-ngram-simple",
+        "stop llama-ngram-simple",
+        "llama --spec-type ngram-mod",
+        "bench llama-ngram-mod",
+        "stop llama-ngram-mod",
+    ]
+    assert events == one + one
+    assert [row["run"] for row in rows] == [1] * 5 + [2] * 5
+    (first, _) = repetitive.verdicts(rows)
+    assert "0.50x without (met: bar 0.6x)" in first
+    assert "acceptance length 3.20" in first
+    assert "llama.cpp's best ngram-mod 4.0 ms (missed)" in first
+    assert "| 1 | nanoserve | ngram | 5.0 |" in repetitive.table(rows)

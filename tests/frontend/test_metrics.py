@@ -79,3 +79,18 @@ def test_the_workers_plan_is_one_info_series_with_valid_labels() -> None:
     )
     metrics.observe_plan({})  # no worker is ready: no plan
     assert "nanoserve:worker_plan_info 1.0" in metrics.render().decode()
+
+
+def test_speculative_decoding_series() -> None:
+    """Drafts, draft tokens and accepted tokens as counters, and the mean acceptance length:
+    10 verifications of 40 drafts that accepted 25 gave 35 tokens, 3.5 each."""
+    metrics = Metrics()
+    stats = EngineStats(
+        spec_drafts_total=10, spec_draft_tokens_total=40, spec_accepted_tokens_total=25
+    )
+    metrics.observe_stats(stats)
+    text = metrics.render().decode()
+    assert "nanoserve:spec_decode_num_drafts_total 10.0" in text
+    assert "nanoserve:spec_decode_num_draft_tokens_total 40.0" in text
+    assert "nanoserve:spec_decode_num_accepted_tokens_total 25.0" in text
+    assert "nanoserve:spec_decode_mean_acceptance_length 3.5" in text

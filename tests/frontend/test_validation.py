@@ -51,6 +51,8 @@ CASES: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", {"prompt": "Hi", "seed": 2**63}, 400, "seed"),
     ("/v1/completions", b'{"prompt": "Hi", "temperature": 1e999}', 400, "temperature"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "speculative": {"num_tokens": 17}}, 400, "speculative"),
+    ("/v1/completions", {"prompt": "Hi", "speculative": {"num_tokens": -1}}, 400, "speculative"),
 ]
 
 
@@ -104,3 +106,17 @@ async def test_default_max_tokens_fills_the_context(server: Server) -> None:
     assert response.status == 200
     # FakeScheduler: max_model_len 2048, pool 256 * 16 = 4096 tokens.
     assert server.fake.adds[0].params.max_tokens == 2048 - 3
+
+
+@pytest.mark.fake(max_model_len=256, num_blocks=4, block_size=16)
+@pytest.mark.parametrize(
+    ("speculative", "want"), [({"num_tokens": 3}, 3), ({}, None), (None, None)]
+)
+async def test_speculative_reaches_the_scheduler(server: Server, speculative, want) -> None:
+    body = {"prompt": "Hi", "max_tokens": 2}
+    if speculative is not None:
+        body["speculative"] = speculative
+    response = await server.post("/v1/completions", body)
+    assert response.status == 200
+    (add,) = server.fake.adds
+    assert add.params.num_speculative_tokens == want

@@ -151,3 +151,22 @@ def test_soak_with_shared_prefixes_hits_keeps_the_text_and_catches_a_leak(
     assert main([*shared, "--inject-leak", "3"]) == 1
     err = capsys.readouterr().err
     assert "is allocated but no request holds it" in err
+
+
+def test_soak_with_speculation_passes_its_audit_with_the_same_text(
+    tiny: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tiny model through a pool that preempts, drafts verified every step they can be,
+    audited every iteration: the same tokens as without them, with drafts accepted."""
+    base = ["soak", "--model", tiny, "--requests", "8", "--max-tokens", "24"]
+    base += ["--num-blocks", "12", "--prompt-len", "8"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    assert main([*base, "--num-speculative-tokens", "4"]) == 0
+    speculated = capsys.readouterr().out
+    drafts = re.search(r"draft tokens\s+(\d+) of (\d+) accepted in (\d+)", speculated)
+    assert drafts and int(drafts[1]) > 0 and int(drafts[3]) > 0
+    evictions = re.search(r"evictions\s+(\d+)", speculated)
+    assert evictions and int(evictions[1]) > 0
+    digest = re.compile(r"text digest\s+(\w+)")
+    assert digest.search(plain)[1] == digest.search(speculated)[1]

@@ -73,3 +73,43 @@ def test_greedy_text_is_independent_of_pool_size_and_batching(worker, prompts) -
         for p in prompts
     ]
     assert alone == roomy
+
+
+def test_speculation_beside_structured_outputs_changes_no_token(worker, prompts) -> None:
+    """The real model, float32: requests that draft (their prompts repeat themselves) run in the
+    same steps as requests under a grammar, which never draft; every token is what it is with
+    speculation off, the constrained ones still match their grammar."""
+    import re
+
+    import llguidance
+
+    line = "the cat sat on the mat and the dog sat on the log. "
+    repeating = [prompts[0] + prompts[0] + prompts[0], prompts[3] * 3]
+    from nanoserve.commands.generate import load_tokenizer
+
+    repeating.append(load_tokenizer(None).encode(line * 4))
+    words = r"[a-z]+( [a-z]+){3,7}\."
+    constrained = SamplingParams(
+        max_tokens=16, temperature=0.0, grammar=llguidance.grammar_from("regex", words)
+    )
+    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    batch = [*repeating, prompts[1], prompts[2]]
+    params = [free, free, free, constrained, constrained]
+    outs = {}
+    for spec in ("off", "ngram"):
+        config = SchedulerConfig(
+            speculative=spec, num_blocks=48, token_budget=256, watermark_blocks=0, audit=True
+        )
+        engine = Engine.for_worker(worker, config)
+        outs[spec] = [o.new_token_ids for o in engine.generate(batch, params)]
+        step = engine.plan()
+        if step is not None:
+            engine.apply(worker.execute(step))
+        engine.audit(worker.rows())
+        if spec == "ngram":
+            assert engine.scheduler.speculation.accepted_total > 0
+    assert outs["ngram"] == outs["off"]
+    tokenizer = load_tokenizer(None).tokenizer
+    for tokens in outs["ngram"][3:]:
+        text = tokenizer.decode([t for t in tokens if t not in worker.eos_token_ids])
+        assert re.fullmatch(r"[a-z ]+\.?", text), text  # the grammar's alphabet, at least

@@ -50,12 +50,14 @@ def lead(group: Group, step: StepInput, rows: RowTable) -> StepInput:
 def _resolved(item: StepItem, rows: RowTable, released: set[int]) -> StepItem:
     """``item`` with its pending token replaced by the row's last sample, where there is one
     (otherwise unchanged, and every rank's check refuses it alike)."""
-    if list(item.token_ids) != [PENDING_TOKEN] or item.slot in released:
+    if not item.token_ids or item.token_ids[0] != PENDING_TOKEN or item.slot in released:
         return item
     if not 0 <= item.slot < len(rows.rows):
         return item
-    token = rows.rows[item.slot].last_sampled
-    return item if token is None else msgspec.structs.replace(item, token_ids=[token])
+    token = rows.rows[item.slot].last_sampled  # a draft item's drafts follow it unchanged
+    if token is None:
+        return item
+    return msgspec.structs.replace(item, token_ids=[token, *item.token_ids[1:]])
 
 
 def lead_reset(group: Group) -> None:

@@ -53,16 +53,24 @@ class SamplingPlan:
 
 
 def pack_sampling(
-    pack: HostPack, rows: list[Row], slots: list[int], eos_token_ids: list[int], vocab: int
+    pack: HostPack,
+    rows: list[Row],
+    slots: list[int],
+    eos_token_ids: list[int],
+    vocab: int,
+    backs: list[int] | None = None,
 ) -> SamplingPlan:
     """Add the sampled ``rows``' parameters (the rows of these ``slots``) to ``pack`` (names
-    ``s.*``); returns the plan."""
+    ``s.*``); returns the plan. ``backs``: per sampled row, how many of its row's tokens fed
+    this step come after the position it samples at (draft tokens after it; 0 by default), so
+    its output index, and with it its seeded uniform and min_tokens, are that position's."""
     plan = SamplingPlan(rows=len(rows), logprobs=[row.params.logprobs for row in rows])
+    backs = backs or [0] * len(rows)
     draw, temps, top_k, top_p, min_p, uniforms = [], [], [], [], [], []
     rep, rep_value, pres, pres_value, freq_value = [], [], [], [], []
     bias_row, bias_token, bias_value, ban_row, ban_token, fallback = [], [], [], [], [], []
-    for i, row in enumerate(rows):
-        params, outputs = row.params, len(row.history) - row.prompt_len
+    for i, (row, back) in enumerate(zip(rows, backs, strict=True)):
+        params, outputs = row.params, len(row.history) - row.prompt_len - back
         if params.temperature > 0:
             draw.append(i)
             temps.append(params.temperature)
@@ -70,7 +78,7 @@ def pack_sampling(
             # top_p >= 1 is "off": cumsum rounding must not trim the tail (worker.sampling.sampler)
             top_p.append(params.top_p if params.top_p < 1 else float("inf"))
             min_p.append(params.min_p)
-            uniforms.append(seeded_uniform(row))
+            uniforms.append(seeded_uniform(row, outputs))
         if params.repetition_penalty != 1.0 and row.history:
             rep.append(i)
             rep_value.append(params.repetition_penalty)

@@ -245,8 +245,9 @@ def _top_p(values: list, device) -> torch.Tensor:
     return torch.tensor([v if v < 1 else float("inf") for v in values], device=device)
 
 
-def seeded_uniform(row: Row) -> float:
-    """A uniform in [0, 1) fixed by the row's seed and the index of the token being drawn."""
-    index = len(row.output_tokens)
+def seeded_uniform(row: Row, index: int | None = None) -> float:
+    """A uniform in [0, 1) fixed by the row's seed and the index of the token being drawn
+    (``index``; by default the row's next)."""
+    index = len(row.output_tokens) if index is None else index
     generator = torch.Generator().manual_seed((row.seed * _MIX + index) & _MASK64)
     return float(torch.rand((), generator=generator, dtype=torch.float64))

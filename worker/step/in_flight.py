@@ -25,8 +25,9 @@ from worker.step.fences import Fence
 
 @dataclass
 class Launched:
-    """One launched step. ``sampled``: each sampled item, its row and the history index its
-    token takes when fed; ``host``: the downloaded outputs (``Sampled.outputs``' order)."""
+    """One launched step. ``sampled``: each sampled position's item, its row and the history
+    index its token takes when fed (None for a draft item's positions, which the row never
+    feeds back); ``host``: the downloaded outputs (``Sampled.outputs``' order)."""
 
     step: StepInput
     sampled: list[tuple[StepItem, Row, int]]
@@ -54,6 +55,8 @@ class Launched:
             self.wait_s += time.perf_counter() - began
         tokens = self.host[0].tolist() if self.sampled else []
         for (_, row, index), token in zip(self.sampled, tokens, strict=True):
+            if index is None:  # a draft item's: the scheduler decides what it keeps
+                continue
             if len(row.history) > index:  # fed already, by a later step
                 if row.history[index] == PENDING_TOKEN:
                     row.history[index] = token
@@ -71,8 +74,15 @@ class Launched:
             chosen = self.host[1].tolist()
             if self.plan.top:
                 top_values, top_ids = self.host[2].tolist(), self.host[3].tolist()
-        out, k = [], 0
+        out, k, position = [], 0, 0
         for (item, _, _), token, n in zip(self.sampled, tokens, wants, strict=True):
+            position += 1
+            if item.num_draft:  # its first position's entry stands for all of its positions
+                if position == 1 or self.sampled[position - 2][0] is not item:
+                    more = tokens[position : position + item.num_draft]
+                    sample = Sample(request_id=item.request_id, token_id=token, draft_samples=more)
+                    out.append(sample)
+                continue
             if n is None:
                 out.append(Sample(request_id=item.request_id, token_id=token))
                 continue

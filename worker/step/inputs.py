@@ -31,7 +31,7 @@ class StepInputs:
     """What the host knows of one step's forward."""
 
     num_tokens: int  # T: the real tokens
-    sampled: list[int]  # (S,) each sampled item's last token's position
+    sampled: list[int]  # (S,) each sampled position: an item's last, and before each draft
     pending: bool  # some token is fed on the device
     key: Key | None  # the decode graph it replays, or None: eager
     meta: AttentionMetadata | None = None  # eager: built on the host, packed as ``m.*``
@@ -52,16 +52,17 @@ class StepInputs:
         ids, feed, positions, sampled, spans = [], [], [], [], []
         pending = False
         for item, (row, tokens) in zip(items, applied, strict=True):
-            if tokens == [PENDING_TOKEN]:
+            if tokens[0] == PENDING_TOKEN:  # alone, or before draft tokens
                 pending = True
                 feed.extend([-1] * (len(ids) - len(feed)))
                 feed.append(item.slot)
                 ids.append(0)
+                ids.extend(tokens[1:])
             else:
                 ids.extend(tokens)
             positions.extend(range(item.start, item.start + len(tokens)))
-            if item.sample:
-                sampled.append(len(ids) - 1)
+            if item.sample:  # the last position, and the one before each draft token
+                sampled.extend(range(len(ids) - 1 - item.num_draft, len(ids)))
             spans.append((row.block_table, item.start, len(tokens)))
         rows = [row for row, _ in applied]
         key = graphs.choose(items) if graphs is not None else None

@@ -86,7 +86,10 @@ class StepRunner:
         ``RowTable.apply``, ``sampled`` the (item, row) this rank samples, ``start_masks``
         starts their grammar masks (before the forward is queued when ``early``, else after),
         ``audit`` the rows to report. Run under inference mode."""
-        tracked = [(item, row, len(row.history)) for item, row in sampled]
+        # One entry per sampled position: a draft item samples before each draft token too,
+        # ``back`` the item's tokens after that position; its tokens go to the scheduler only.
+        entries = [(i, r, back) for i, r in sampled for back in range(i.num_draft, -1, -1)]
+        tracked = [(i, r, None if i.num_draft else len(r.history)) for i, r, _ in entries]
         masks = start_masks() if early else None
         if not step.items:
             return Launched(step, [], None, [], DoneFence(), masks, audit)
@@ -102,9 +105,9 @@ class StepRunner:
         if self.graphs is not None:
             self.graphs.tables.pack_updates(pack, step.items, [row for row, _ in applied])
         folds = self.group.leader and pack_folds(pack, penalty_folds(step.items, applied))
-        rows, slots = [row for _, row in sampled], [item.slot for item, _ in sampled]
-        eos, vocab = self.eos_token_ids, self.vocab
-        plan = pack_sampling(pack, rows, slots, eos, vocab) if rows else None
+        rows, slots = [row for _, row, _ in entries], [item.slot for item, _, _ in entries]
+        eos, vocab, backs = self.eos_token_ids, self.vocab, [back for _, _, back in entries]
+        plan = pack_sampling(pack, rows, slots, eos, vocab, backs) if rows else None
         packed = pack.upload()
         ids = self.sampler.fed(packed["x.ids"], packed.get("x.feed"))  # (T,)
         if folds:

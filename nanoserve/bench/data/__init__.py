@@ -42,10 +42,16 @@ def build_workload(
     """``num_prompts`` seeded requests. ``dataset`` is "random" (token ids, or random words
     when ``prompt_format`` is "text") or "shipped" (the prompt set, shuffled and cycled).
     ``random_prefix_len`` puts one seeded prefix of that length before every random prompt:
-    many requests with one long common prefix (an agent's system prompt and tools)."""
+    many requests with one long common prefix (an agent's system prompt and tools).
+    "repetitive" asks for the prompt's own text back with one change (``repetitive_prompt``),
+    the traffic speculative decoding from the context is for."""
     rng = random.Random(seed)
     in_lens = _lengths(rng, input_len, range_ratio, num_prompts)
     out_lens = _lengths(rng, output_len, range_ratio, num_prompts)
+    if dataset == "repetitive":
+        texts = load_shipped_prompts()
+        prompts = [repetitive_prompt(texts, rng, n) for n in in_lens]
+        return [BenchRequest(t, len(t.split()), n) for t, n in zip(prompts, out_lens, strict=True)]
     if dataset == "shipped":
         texts = load_shipped_prompts()
         rng.shuffle(texts)
@@ -67,6 +73,38 @@ def build_workload(
         BenchRequest(head + rng.choices(ids, k=n), n + random_prefix_len, m)
         for n, m in zip(in_lens, out_lens, strict=True)
     ]
+
+
+def repetitive_prompt(texts: list[str], rng: random.Random, words: int) -> str:
+    """A request to return a text with one change: a paragraph of shipped prompts (about
+    ``words`` words) with one word replaced, or a JSON object of them with one field changed.
+    Most of the answer is the prompt's own text again."""
+    picks = rng.sample(texts, len(texts))
+    if rng.random() < 0.5:
+        paragraph, used = [], 0
+        for text in picks:
+            if used >= words:
+                break
+            paragraph.append(text)
+            used += len(text.split())
+        body = " ".join(paragraph)
+        old = rng.choice([w for w in body.split() if w.isalpha() and len(w) > 3] or ["the"])
+        new = rng.choice(shipped_words())
+        return (
+            f"Rewrite this paragraph, changing only the word '{old}' to '{new}'. Keep every "
+            f"other word exactly as it is.\n\n{body}"
+        )
+    fields, used = {}, 0
+    for index, text in enumerate(picks):
+        if used >= words:
+            break
+        fields[f"field_{index}"] = text
+        used += len(text.split())
+    name = rng.choice(list(fields))
+    return (
+        f'Return this JSON with only the field "{name}" changed to "{rng.choice(shipped_words())}"'
+        f". Return nothing else.\n\n{json.dumps(fields, indent=1)}"
+    )
 
 
 def _lengths(rng: random.Random, mean: int, ratio: float, count: int) -> list[int]:
