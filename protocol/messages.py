@@ -64,6 +64,10 @@ class StepItem(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=T
     prompt_len: int = 0
     fresh: bool = False
     cached_token_ids: list[int] = []
+    # A fresh row re-attached to K/V an earlier worker wrote into the shared pool (see
+    # docs/kv_pool.md): its blocks up to position ``start`` hold that K/V, and ``start`` need
+    # not end a block. An older worker ignores the field and refuses the unaligned start.
+    attached: bool = False
 
 
 class StepInput(Message):
@@ -156,6 +160,12 @@ class WorkerReady(Message):
     # How the worker runs its steps, chosen once at start (``worker.plan.Plan.summary``): what
     # its log, /metrics and the web page show.
     plan: dict[str, str] = {}
+    # The shared K/V pool it mapped (``holder/``): its id and generation after this worker's
+    # attach ("" and 0 for a private pool), or the kind of reason it is private although
+    # --shared-kv-pool asked for a shared one ("" otherwise).
+    pool_id: str = ""
+    pool_generation: int = 0
+    pool_fallback: str = ""
 
 
 class Heartbeat(Message):

@@ -37,6 +37,12 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
       ("" before any step).
     - ``worker_threads``: the worker's intra-op threads after its last step (0 before any);
       ``worker_thread_switches_total``: how often it changed them (``worker.cpu.threads``).
+    - Worker restarts (docs/kv_pool.md): ``kv_pool_reattaches_total``, new workers that took
+      over the lost one's shared pool; ``kv_pool_fallbacks``, restarts that recomputed instead,
+      by reason; ``worker_restart_tokens_recomputed_total``, tokens of K/V computed again
+      because a worker died (``_last``: the latest restart's); ``worker_death_to_token_s_*``,
+      seconds from a worker's death to the next token of each request running then (sum and
+      count over every restart; ``_last_max``: the latest restart's slowest request).
     """
 
     num_running: int = 0
@@ -63,3 +69,10 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     worker_threads: int = 0
     worker_thread_switches_total: int = 0
     scheduler_cpu_s_total: float = 0.0
+    kv_pool_reattaches_total: int = 0
+    kv_pool_fallbacks: dict[str, int] = {}
+    worker_restart_tokens_recomputed_total: int = 0
+    worker_restart_tokens_recomputed_last: int = 0
+    worker_death_to_token_s_sum: float = 0.0
+    worker_death_to_token_s_count: int = 0
+    worker_death_to_token_s_last_max: float = 0.0

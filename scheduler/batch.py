@@ -21,6 +21,7 @@ class ScheduledChunk:
     new_blocks: list[int]  # appended to the worker's row (the whole table when fresh)
     epoch: int = 0  # the request's epoch when scheduled: a preemption since makes it stale
     fresh: bool = False  # begins the request's row; positions below start are cache hits
+    attached: bool = False  # fresh, on K/V a lost worker wrote below start (Request.rollback)
 
 
 @dataclass
@@ -55,6 +56,7 @@ def step_item(chunk: ScheduledChunk) -> StepItem:
         prompt_len=request.num_prompt_tokens,
         fresh=True,
         cached_token_ids=request.token_slice(0, start),
+        attached=chunk.attached,
     )
 
 

@@ -36,6 +36,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.errors import RequestRejected
 from scheduler.in_process import InProcessRuns
 from scheduler.kv_events import KvEventLog
+from scheduler.restarts import RestartLog, can_reattach, written_blocks
 from scheduler.scheduler import Scheduler
 from scheduler.sizing import build_scheduler, geometry, move_to_pool
 
@@ -73,7 +74,9 @@ class Engine(InProcessRuns):
             self.scheduler, self.ready_info = build_scheduler(ready, config, allocator), ready
             self.scheduler.cache.record(self.kv_events)
         self.depth = 2 if config.overlap else 1  # steps in flight at most
-        self._in_flight: deque[tuple[Batch, StepInput]] = deque()  # oldest first
+        # Oldest first; with each step the blocks its chunks write (for a re-attach).
+        self._in_flight: deque[tuple[Batch, StepInput, list[int]]] = deque()
+        self.restarts = RestartLog()
         self._next_step_id = 0
         self._steps_applied = 0
         self._busy_s = 0.0
@@ -124,13 +127,23 @@ class Engine(InProcessRuns):
         for it. ValueError, with nothing changed, if the config asks for more than it has.
 
         The first worker sizes the ledgers. One of the same geometry (``sizing.geometry``)
-        takes the requests over: running ones wait to be recomputed, and with another pool size
-        they move to its pool, where those it cannot hold end with an error. One of another
-        geometry starts afresh: every request ends with an error.
+        takes the requests over: after ``worker_lost(keep=True)``, running requests keep their
+        blocks when it re-attached to the lost worker's shared pool (``can_reattach``); else
+        they wait to be recomputed, and with another pool size they move to its pool, where
+        those it cannot hold end with an error. One of another geometry starts afresh: every
+        request ends with an error.
         """
         old = self.ready_info
+        if old is not None and self.restarts.kept:
+            why = can_reattach(old, ready) or ("" if geometry(old) == geometry(ready) else "model")
+            if not why:
+                self.restarts.reattached()
+                self.ready_info = ready
+                return []
+            self.restarts.fell_back(why, self._computed())
         if old is not None and geometry(old) == geometry(ready):
-            self.worker_lost()
+            self._in_flight.clear()
+            self.scheduler.preempt_all()
             ended = []
             if ready.num_blocks != old.num_blocks:
                 ended = move_to_pool(self.scheduler, ready, self.config)
@@ -149,11 +162,28 @@ class Engine(InProcessRuns):
         scheduler.cache.record(self.kv_events)
         return ended
 
-    def worker_lost(self) -> None:
-        """Forget the steps in flight and every cache row: running requests recompute later."""
+    def worker_lost(self, keep: bool = False) -> None:
+        """Forget the steps in flight and every cache row: running requests recompute later.
+        ``keep``: the worker died, and its pool may outlive it (it was the holder's): running
+        requests keep their blocks, rolled back to what acknowledged steps computed, until the
+        next worker announces itself (``fit``)."""
+        lost = list(self._in_flight)
         self._in_flight.clear()
-        if self.fitted:
-            self.scheduler.preempt_all()
+        ready = self.ready_info
+        if ready is None or self.restarts.kept:
+            return  # nothing to keep, or kept already (the next worker has not come)
+        if keep and ready.pool_id:
+            chunks = [chunk for batch, _, _ in lost for chunk in batch.chunks]
+            written = {block for _, _, blocks in lost for block in blocks}
+            self.restarts.kept_for(self.scheduler.keep_for_reattach(chunks, written))
+            return
+        why = ready.pool_fallback or ("refused_step" if ready.pool_id else "")
+        self.restarts.fell_back(why, self._computed())
+        self.scheduler.preempt_all()
+
+    def _computed(self) -> int:
+        """Tokens of K/V the running requests hold: what a recompute computes again."""
+        return sum(request.num_computed for request in self.scheduler.running)
 
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
@@ -168,7 +198,7 @@ class Engine(InProcessRuns):
     @property
     def in_flight(self) -> list[StepInput]:
         """The steps in flight, oldest (the next result to apply) first."""
-        return [step for _, step in self._in_flight]
+        return [step for _, step, _ in self._in_flight]
 
     def can_plan(self) -> bool:
         """True if another step may be sent now (fewer than ``depth`` in flight)."""
@@ -190,7 +220,7 @@ class Engine(InProcessRuns):
             released_slots=batch.released_slots,
             audit=self.config.audit,
         )
-        self._in_flight.append((batch, step))
+        self._in_flight.append((batch, step, written_blocks(batch, self.scheduler)))
         self._next_step_id += 1
         return step
 
@@ -199,7 +229,7 @@ class Engine(InProcessRuns):
         stopped."""
         if not self._in_flight or result.step_id != self._in_flight[0][1].step_id:
             raise RuntimeError(f"result for step {result.step_id} is not the oldest in flight")
-        batch, _ = self._in_flight.popleft()
+        batch, _, _ = self._in_flight.popleft()
         self._steps_applied += 1
         self._busy_s += result.forward_s
         tokens, fill, apply = self._grammar
@@ -230,7 +260,7 @@ class Engine(InProcessRuns):
         worker's rows after the last applied step; with a step still in flight they are audited
         as they will be once it has run (``project_rows``), the state the ledgers already show."""
         if rows is not None and self._in_flight:
-            rows = project_rows(rows, [step for _, step in self._in_flight])
+            rows = project_rows(rows, [step for _, step, _ in self._in_flight])
         audit_all(self.scheduler, rows)
 
     def stats(self) -> EngineStats:
@@ -257,4 +287,8 @@ class Engine(InProcessRuns):
             num_preemptions_total=s.num_preemptions_total,
             prefix_cache_queries=s.cache.queries,
             prefix_cache_hits=s.cache.hits,
+            kv_pool_reattaches_total=self.restarts.reattaches,
+            kv_pool_fallbacks=dict(self.restarts.fallbacks),
+            worker_restart_tokens_recomputed_total=self.restarts.tokens_recomputed,
+            worker_restart_tokens_recomputed_last=self.restarts.tokens_recomputed_last,
         )

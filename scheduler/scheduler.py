@@ -234,6 +234,35 @@ class Scheduler:
         self.cache.clear()
         self.slots.release_all()
 
+    def keep_for_reattach(self, in_flight: list[ScheduledChunk], written: set[int]) -> int:
+        """The worker died; its pool did not (docs/kv_pool.md). ``in_flight``: the chunks of the
+        steps it never answered; ``written``: every block they would write. Requests admitted
+        by those steps are preempted (their admission was never acknowledged); the others roll
+        back to the tokens acknowledged steps computed, keeping their slot and blocks. No hash
+        of a block the lost steps wrote stays in the index (its K/V may be half written).
+        Returns the tokens the lost steps computed that the running requests compute again."""
+        unacked: dict[str, int] = {}
+        admitted = set()
+        for chunk in in_flight:
+            if not self.is_current(chunk):
+                continue  # its request ended or was preempted since: nothing to roll back
+            rid = chunk.request.request_id
+            unacked[rid] = unacked.get(rid, 0) + chunk.num_tokens
+            if chunk.fresh:
+                admitted.add(rid)
+        again, size = 0, self.allocator.block_size
+        for request in reversed(self.running):  # newest first: the oldest ends at the head
+            if request.request_id in admitted:
+                again += unacked[request.request_id]  # its hits are looked up again
+                self._preempt(request)
+        self.cache.forget(written)
+        for request in self.running:
+            n = unacked.get(request.request_id, 0)
+            again += n
+            extra = request.rollback(n, size)
+            self.allocator.free_all(extra[::-1])
+        return again
+
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
         while self.waiting and self.slots.any_free() and budget > 0:
             request = self.waiting[0]
@@ -261,12 +290,12 @@ class Scheduler:
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         """Schedule ``n`` tokens of ``request``, computed from here on (see Overlap)."""
         start, high_water = request.num_computed, request.high_water
-        fresh = request.blocks_sent == 0
+        fresh, attached = request.blocks_sent == 0, request.reattached
         self.tokens_scheduled += n
         if start < high_water:  # K/V it had before a preemption, bought again
             self.tokens_recomputed += min(start + n, high_water) - start
         new_blocks, sample = request.advance(n)
-        return ScheduledChunk(request, start, n, sample, new_blocks, request.epoch, fresh)
+        return ScheduledChunk(request, start, n, sample, new_blocks, request.epoch, fresh, attached)
 
     # -- results ----------------------------------------------------------------------------------
     def is_current(self, chunk: ScheduledChunk) -> bool:

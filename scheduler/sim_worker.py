@@ -14,6 +14,8 @@ import zlib
 from array import array
 from dataclasses import dataclass, field
 
+import msgspec
+
 from protocol.messages import (
     PENDING_TOKEN,
     PROTOCOL_VERSION,
@@ -61,6 +63,35 @@ class SimWorker:
         )
         self._kv = [array("q", [-1] * block_size) for _ in range(num_blocks)]
         self._rows = [_Row() for _ in range(num_slots)]
+
+    def successor(self) -> SimWorker:
+        """A new worker on this one's pool, as after a SIGKILL with the pool holder alive: the
+        same K/V blocks (whatever the lost steps wrote in them), the next generation, no rows."""
+        ready = self._ready
+        new = SimWorker(
+            ready.num_blocks,
+            ready.block_size,
+            ready.num_slots,
+            ready.max_model_len,
+            ready.vocab_size,
+            tuple(ready.eos_token_ids),
+        )
+        pool_id = ready.pool_id or "sim-pool"
+        generation = ready.pool_generation + 1 if ready.pool_id else 2
+        new._ready = msgspec.structs.replace(
+            new._ready, pool_id=pool_id, pool_generation=generation
+        )
+        new._kv = self._kv
+        return new
+
+    def shared(self) -> SimWorker:
+        """This worker as the first to attach to a shared pool (generation 1)."""
+        self._ready = msgspec.structs.replace(self._ready, pool_id="sim-pool", pool_generation=1)
+        return self
+
+    def corrupt(self, block: int, offset: int = 0) -> None:
+        """Flip one position of a block's simulated K/V (a fault injector's bit flip)."""
+        self._kv[block][offset] ^= 1 << 20
 
     def ready(self) -> WorkerReady:
         """The cache geometry."""
@@ -125,7 +156,8 @@ class SimWorker:
         """A fresh row; positions below ``start`` must already be in its first blocks (hits),
         holding exactly the tokens the scheduler says they hold."""
         size = len(self._kv[0])
-        if item.start % size or item.start > len(item.new_blocks) * size:
+        aligned = not item.start % size or (item.attached and self._ready.pool_generation > 1)
+        if not aligned or item.start > len(item.new_blocks) * size:
             raise ValueError(f"slot {item.slot}: a fresh row cannot start at {item.start}")
         if list(item.cached_token_ids) != [
             self._kv[item.new_blocks[p // size]][p % size] for p in range(item.start)

@@ -31,6 +31,7 @@ from protocol.messages import (
 from scheduler.audit_log import AuditLog
 from scheduler.engine import Engine
 from scheduler.peers import WorkerPeer
+from scheduler.restarts import Stalls
 from scheduler.sizing import geometry
 
 log = logging.getLogger("nanoserve.scheduler")
@@ -63,6 +64,7 @@ class WorkerSide:
         self.audits = AuditLog()
         self._hellos: dict[bytes, float] = {}  # unknown worker peer -> when we last greeted it
         self._nothing_to_plan = False  # the last plan() found nothing: wait for an event
+        self.stalls = Stalls()
 
     # -- what the frontends are told --------------------------------------------------------
 
@@ -111,6 +113,9 @@ class WorkerSide:
             scheduler_cpu_s_total=time.process_time(),
             bad_messages_total=self.bad_messages,
             workers_lost_total=self.workers_lost,
+            worker_death_to_token_s_sum=self.stalls.total_s,
+            worker_death_to_token_s_count=self.stalls.count,
+            worker_death_to_token_s_last_max=self.stalls.last_max_s,
         )
 
     # -- messages ------------------------------------------------------------------------------
@@ -217,6 +222,8 @@ class WorkerSide:
             engine.worker_lost()  # the steps in flight too: their results come stale
             return None
         outputs = engine.apply(result)
+        if self.stalls.waiting:
+            self.stalls.tokens(outputs)
         if engine.config.audit:
             # InvariantViolation ends the process, loudly (the log keeps it for the web page)
             self.audits.run(lambda: engine.audit(result.rows))
@@ -261,7 +268,8 @@ class WorkerSide:
             return None
         running = len(self._engine.scheduler.running) if self._engine.fitted else 0
         log.error("worker lost (%s): %d running requests go back to waiting", why, running)
-        self._engine.worker_lost()
+        self.stalls.lost(self._engine.scheduler.running if self._engine.fitted else [])
+        self._engine.worker_lost(keep=True)  # its pool may outlive it (a shared one)
         self.worker = None
         self.workers_lost += 1
         self.lost_since = time.monotonic()

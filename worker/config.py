@@ -111,6 +111,13 @@ class WorkerConfig:
             "activations in bigger steps too (llama.cpp's numerics)"
         },
     )
+    shared_kv_pool: bool = field(
+        default=False,
+        metadata={
+            "help": "CPU: map the KV pool from the pool holder (nanoserve kv-holder), so a "
+            "worker's death keeps its K/V and costs only the steps in flight (docs/kv_pool.md)"
+        },
+    )
     kv_cache_dtype: str = field(
         default="auto",
         metadata={

@@ -53,11 +53,13 @@ class Worker:
         group: Group = SOLO,
         background_compile: bool = False,
         plan: Plan | None = None,
+        holder: str | None = None,
     ) -> None:
         """Load the model and size the cache, running as the worker's plan says (``plan``, or
         the one resolved for this machine: ``worker.plan``). Compiled decode steps (the plan's
         ``compile``) are built here, or, with ``background_compile``, beside the steps: the
-        worker runs eagerly until they are ready (``worker.compiled.background``)."""
+        worker runs eagerly until they are ready (``worker.compiled.background``). ``holder``:
+        the pool holder's address, asked for the pool with ``--shared-kv-pool``."""
         bound_onednn_cache()
         self.config, self.group = config, group
         loaded = load(config, group, plan, progress)
@@ -73,13 +75,14 @@ class Worker:
         torch.set_num_threads(self.num_threads)
         self.threads = ThreadGovernor(self.num_threads if self.plan.adapt_threads else 1)
         self.ops = ModelOps.for_plan(self.plan)
-        self.cache = make_cache(config, loaded, group)
+        self.cache = make_cache(config, loaded, group, holder)
         self.row_table = RowTable(
             num_slots=config.num_slots,
             num_blocks=self.cache.num_blocks,
             block_size=config.block_size,
             max_model_len=self.max_model_len,
             seed=config.seed,
+            attached=self.cache.attachment.reused,
         )
         self.attention = make_backend(
             self.plan,
@@ -140,6 +143,9 @@ class Worker:
             dtype=self.plan.dtype,
             tensor_parallel_size=self.group.size,
             plan=self.plan.summary(),
+            pool_id=self.cache.attachment.pool_id,
+            pool_generation=self.cache.attachment.generation,
+            pool_fallback=self.cache.attachment.fallback,
         )
 
     def execute(self, step: StepInput) -> StepResult:
@@ -176,6 +182,9 @@ class Worker:
             applied = [self.row_table.apply(item) for item in step.items]
             bs = self.config.block_size
             self.cache.zero_blocks([b for item in step.items for b in written_blocks(item, bs)])
+            for item in step.items:
+                if item.attached and item.start % bs:  # its last block's head holds K/V
+                    self.cache.zero_tail(item.new_blocks[item.start // bs], item.start % bs)
             pairs = zip(step.items, applied, strict=True)
             sampled = [(item, row) for item, (row, _) in pairs if item.sample]
             if not self.group.leader:  # a rank other than the leader only computes its share
