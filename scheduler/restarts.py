@@ -55,6 +55,7 @@ class RestartLog:
     fallbacks: Counter[str] = field(default_factory=Counter)
     tokens_recomputed: int = 0
     tokens_recomputed_last: int = 0  # the latest restart's
+    last_reason: str = ""  # the latest fallback's
 
     def kept_for(self, tokens: int) -> None:
         """A worker died; its requests keep their blocks, ``tokens`` of theirs lost."""
@@ -70,6 +71,7 @@ class RestartLog:
         asked for): the running requests' ``computed`` tokens are computed again."""
         if why:
             self.fallbacks[why] += 1
+            self.last_reason = why
         self._recomputed(self.kept_tokens + computed)
 
     def _recomputed(self, tokens: int) -> None:

@@ -170,11 +170,29 @@ class WorkerSide:
             )
             return None
         engine, before = self._engine, self._engine.ready_info
+        restarts = engine.restarts
+        reattaches, fallbacks = restarts.reattaches, sum(restarts.fallbacks.values())
         try:
             outputs = engine.fit(ready)
         except ValueError as exc:
             self.bad(f"a worker that does not fit this scheduler: {exc}")
             return None
+        if restarts.reattaches > reattaches:
+            log.info(
+                "the new worker re-attached to pool %s (generation %d): %d running requests "
+                "keep their K/V, %d tokens of the lost steps are computed again",
+                ready.pool_id,
+                ready.pool_generation,
+                len(engine.scheduler.running),
+                restarts.tokens_recomputed_last,
+            )
+        elif sum(restarts.fallbacks.values()) > fallbacks:
+            log.warning(
+                "the new worker did not re-attach to the lost worker's pool (%s): "
+                "%d tokens are recomputed",
+                restarts.last_reason,
+                restarts.tokens_recomputed_last,
+            )
         if before is not None and geometry(before) != geometry(ready):
             log.error(
                 "the new worker's cache geometry differs (%s): %d requests end",

@@ -1,0 +1,160 @@
+"""A worker SIGKILLed over the pool holder's shared KV pool costs only its steps in flight:
+the restarted worker maps the same pool, the scheduler hands the running requests their blocks
+back, every stream ends with the undisturbed text, and the next turn's prefix-cache hits are
+those of an undisturbed run. A killed holder (alone, or with the worker) costs recompute, never
+text. Real processes, the default model in float32, the audit on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from tests.faults.conftest import (
+    MODEL,
+    _report_timings,
+    assert_pool_empty,
+    record,
+    start_streams,
+    wait_metrics,
+)
+from tests.servers import ROLES, server_fixture
+
+pytestmark = pytest.mark.slow
+
+SUPERVISED = ("kv-holder", "scheduler", "worker")
+# 8 streams of about 1,500-token contexts: a pool of 1,024 blocks of 16 holds them with room.
+pool_server = server_fixture(
+    after_stop=_report_timings,
+    roles=("kv-holder", *ROLES),
+    supervised=SUPERVISED,
+    audit=1,
+    dtype="float32",
+    shared_kv_pool=1,
+    num_blocks=1024,
+    num_slots=16,
+    threads=2,
+)
+
+_WORDS = (
+    "river stone lantern orchard harbor meadow signal copper winter garden valley ember thread "
+    "compass island bridge forest letter window candle market silver morning paper canyon"
+).split()
+
+
+def long_prompt(index: int, words: int = 1400) -> str:
+    """A seeded prompt of about 1,500 tokens, different for each index."""
+    rng = random.Random(index)
+    text = " ".join(rng.choice(_WORDS) for _ in range(words))
+    return f"Notes {index}: {text}\nSummary:"
+
+
+def body(prompt: str, salt: str, max_tokens: int = 40) -> dict:
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "cache_salt": salt,
+    }
+
+
+async def next_turn_hits(session, server, prompts, texts, salt) -> list[int]:
+    """Each conversation's next turn (its history and a question), not streamed: the prompt
+    tokens the prefix cache served for it."""
+
+    async def one(prompt: str, text: str) -> int:
+        request = {**body(prompt + text + "\nAnd then?", salt, 4), "model": MODEL}
+        async with session.post(server.url + "/v1/completions", json=request) as response:
+            reply = await response.json()
+        return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    return await asyncio.gather(*(one(p, t) for p, t in zip(prompts, texts, strict=True)))
+
+
+async def kill_mid_stream(session, server, bodies, roles: tuple[str, ...], after: int = 3):
+    """Stream ``bodies``; once every stream has ``after`` tokens, SIGKILL the children of
+    ``roles``. Returns the streams and the seconds from the kill to each stream's next token."""
+    streams, tasks = start_streams(session, server, bodies)
+    deadline = time.monotonic() + 300.0
+    while not all(len(s.times) >= after for s in streams):
+        if time.monotonic() > deadline or any(t.done() for t in tasks):
+            raise AssertionError(f"streams did not start\n{server.logs()}")
+        await asyncio.sleep(0.01)
+    pids = [server.child_pid(role) for role in roles]
+    killed = time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    counts = [len(s.times) for s in streams]
+    await asyncio.wait_for(asyncio.gather(*tasks), 300.0)
+    gaps = [s.times[c] - killed for s, c in zip(streams, counts, strict=True) if len(s.times) > c]
+    return streams, gaps
+
+
+async def test_sigkilled_worker_reattaches_recomputing_only_its_steps_in_flight(pool_server):
+    server = pool_server
+    prompts = [long_prompt(i) for i in range(8)]
+    async with aiohttp.ClientSession() as session:
+        calm, calm_tasks = start_streams(session, server, [body(p, "calm") for p in prompts])
+        await asyncio.wait_for(asyncio.gather(*calm_tasks), 600.0)
+        assert all(s.done and not s.errors and s.text for s in calm)
+        calm_hits = await next_turn_hits(session, server, prompts, [s.text for s in calm], "calm")
+        before = await asyncio.to_thread(server.metrics)
+        mark = server.log_size("scheduler")
+        streams, gaps = await kill_mid_stream(
+            session, server, [body(p, "kill") for p in prompts], ("worker",)
+        )
+        hits = await next_turn_hits(session, server, prompts, [s.text for s in streams], "kill")
+    for after, undisturbed in zip(streams, calm, strict=True):
+        assert after.done and not after.errors, after.errors
+        assert after.text == undisturbed.text
+    assert hits == calm_hits and min(hits) >= 1400, (hits, calm_hits)
+    metrics = await assert_pool_empty(server)
+    assert (
+        metrics["nanoserve:kv_pool_reattaches_total"]
+        == before["nanoserve:kv_pool_reattaches_total"] + 1
+    ), server.logs()
+    # Two steps in flight at most (overlap), one decode token a stream in each.
+    recomputed = metrics["nanoserve:worker_restart_tokens_recomputed_last"]
+    assert 0 < recomputed <= 2 * len(prompts), recomputed
+    log = (server.log_dir / "scheduler.log").read_bytes()[mark:]
+    assert b"refused" not in log and b"re-attached" in log, server.logs()
+    record("shared_pool_kill_to_next_token_max", max(gaps))
+    record("shared_pool_kill_to_next_token_min", min(gaps))
+    record("shared_pool_tokens_recomputed", recomputed)
+
+
+@pytest.mark.parametrize("roles", [("kv-holder",), ("kv-holder", "worker")])
+async def test_a_killed_holder_costs_recompute_never_text(pool_server, roles):
+    server = pool_server
+    prompts = [f"Write a long story about a lighthouse keeper named Ada {i}." for i in range(4)]
+    async with aiohttp.ClientSession() as session:
+        calm, tasks = start_streams(session, server, [body(p, "h-calm", 64) for p in prompts])
+        await asyncio.wait_for(asyncio.gather(*tasks), 300.0)
+        before = await asyncio.to_thread(server.metrics)
+        salt = "h-" + "-".join(roles)
+        streams, _ = await kill_mid_stream(
+            session, server, [body(p, salt, 64) for p in prompts], roles
+        )
+        if roles == ("kv-holder",):  # the worker still maps the old pool: kill it now
+            await wait_metrics(server, lambda m: m["nanoserve:num_requests_running"] == 0, 60.0)
+            again, _ = await kill_mid_stream(
+                session, server, [body(p, salt + "2", 64) for p in prompts], ("worker",)
+            )
+            streams += again
+            calm = calm + calm
+    for after, undisturbed in zip(streams, calm, strict=True):
+        assert after.done and not after.errors, after.errors
+        assert after.text == undisturbed.text
+    metrics = await assert_pool_empty(server)
+    fallbacks = 'nanoserve:kv_pool_fallbacks_total{reason="new_pool"}'
+    assert metrics.get(fallbacks, 0) > before.get(fallbacks, 0), server.logs()
+    assert (
+        metrics["nanoserve:kv_pool_reattaches_total"]
+        == before["nanoserve:kv_pool_reattaches_total"]
+    )
