@@ -77,6 +77,9 @@ class StepInput(Message):
     items: list[StepItem]
     released_slots: list[int] = []
     audit: bool = False
+    # Blocks whose K/V checksums the worker returns before running any item: after a
+    # re-attach, the scheduler checks the kept K/V against the sums it recorded (docs/kv_pool.md).
+    verify_blocks: list[int] = []
 
 
 class Shutdown(Message):
@@ -140,6 +143,9 @@ class StepResult(Message):
     grammar_apply_s: float = 0.0
     decode_path: str = ""  # "eager", "graphs", "compiling", "compiled", "failed" (Worker's)
     num_threads: int = 0  # the worker's intra-op threads after the step (worker.cpu.threads)
+    # (block, CRC-32 of its K/V bytes, every layer) for each block this step filled, on a
+    # shared pool, and for each of the step's ``verify_blocks``.
+    block_sums: list[tuple[int, int]] = []
 
 
 class WorkerReady(Message):

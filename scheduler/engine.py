@@ -15,6 +15,7 @@ or been preempted since its step was planned is surplus and dropped.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Protocol
 
@@ -36,9 +37,12 @@ from scheduler.config import SchedulerConfig
 from scheduler.errors import RequestRejected
 from scheduler.in_process import InProcessRuns
 from scheduler.kv_events import KvEventLog
+from scheduler.pool_sums import PoolSums
 from scheduler.restarts import RestartLog, can_reattach, written_blocks
 from scheduler.scheduler import Scheduler
 from scheduler.sizing import build_scheduler, geometry, move_to_pool
+
+log = logging.getLogger("nanoserve.scheduler")
 
 
 class WorkerLike(Protocol):
@@ -77,6 +81,10 @@ class Engine(InProcessRuns):
         # Oldest first; with each step the blocks its chunks write (for a re-attach).
         self._in_flight: deque[tuple[Batch, StepInput, list[int]]] = deque()
         self.restarts = RestartLog()
+        self.sums = PoolSums()
+        self._verify: list[int] | None = None  # kept blocks to check before the next step
+        self._verifying: int | None = None  # the step id that checks them, while in flight
+        self.checks = 0  # such checks applied
         self._next_step_id = 0
         self._steps_applied = 0
         self._busy_s = 0.0
@@ -139,10 +147,13 @@ class Engine(InProcessRuns):
             if not why:
                 self.restarts.reattached()
                 self.ready_info = ready
+                self._verify = self.sums.to_verify(self.scheduler, self.config.audit)
                 return []
             self.restarts.fell_back(why, self._computed())
+        self.sums = PoolSums()  # whatever pool comes, the sums recorded are not of it
         if old is not None and geometry(old) == geometry(ready):
             self._in_flight.clear()
+            self._verify = self._verifying = None
             self.scheduler.preempt_all()
             ended = []
             if ready.num_blocks != old.num_blocks:
@@ -156,6 +167,7 @@ class Engine(InProcessRuns):
             for rid in (self.scheduler.known_ids if old is not None else ())
         ]
         self._in_flight.clear()
+        self._verify = self._verifying = None
         if old is not None:
             self.scheduler.cache.clear()  # the old pool and its index are gone
         self.scheduler, self.ready_info = scheduler, ready
@@ -169,6 +181,7 @@ class Engine(InProcessRuns):
         next worker announces itself (``fit``)."""
         lost = list(self._in_flight)
         self._in_flight.clear()
+        self._verify = self._verifying = None
         ready = self.ready_info
         if ready is None or self.restarts.kept:
             return  # nothing to keep, or kept already (the next worker has not come)
@@ -201,8 +214,9 @@ class Engine(InProcessRuns):
         return [step for _, step, _ in self._in_flight]
 
     def can_plan(self) -> bool:
-        """True if another step may be sent now (fewer than ``depth`` in flight)."""
-        return len(self._in_flight) < self.depth
+        """True if another step may be sent now (fewer than ``depth`` in flight, and no check
+        of the kept K/V in flight: nothing is planned on it before it is answered)."""
+        return len(self._in_flight) < self.depth and self._verifying is None
 
     def plan(self) -> StepInput | None:
         """Schedule one iteration; None when there is nothing to send."""
@@ -210,16 +224,24 @@ class Engine(InProcessRuns):
             return None
         if not self.can_plan():
             raise RuntimeError(f"{len(self._in_flight)} steps are already in flight")
+        if self._verify:
+            return self._send(Batch([], []), verify=self._verify)
         batch = self.scheduler.schedule()
         if not batch.chunks and not batch.released_slots:
             return None
-        items = [step_item(chunk) for chunk in batch.chunks]
+        return self._send(batch)
+
+    def _send(self, batch: Batch, verify: list[int] | None = None) -> StepInput:
+        """The StepInput of ``batch`` (or of a check of ``verify``'s sums), now in flight."""
         step = StepInput(
             step_id=self._next_step_id,
-            items=items,
+            items=[step_item(chunk) for chunk in batch.chunks],
             released_slots=batch.released_slots,
             audit=self.config.audit,
+            verify_blocks=verify or [],
         )
+        if verify:
+            self._verify, self._verifying = None, step.step_id
         self._in_flight.append((batch, step, written_blocks(batch, self.scheduler)))
         self._next_step_id += 1
         return step
@@ -231,6 +253,13 @@ class Engine(InProcessRuns):
             raise RuntimeError(f"result for step {result.step_id} is not the oldest in flight")
         batch, _, _ = self._in_flight.popleft()
         self._steps_applied += 1
+        if result.step_id == self._verifying:
+            self._verifying = None
+            self.checks += 1
+            self._check_sums(result.block_sums)
+            return []
+        if self.ready_info is not None and self.ready_info.pool_id:
+            self.sums.record(batch, result.block_sums, self.scheduler)
         self._busy_s += result.forward_s
         tokens, fill, apply = self._grammar
         self._grammar = (
@@ -254,6 +283,18 @@ class Engine(InProcessRuns):
                 scheduler.finish(request, reason)
             outputs.append(request_output(request, sample, reason))
         return outputs
+
+    def _check_sums(self, reported: list[tuple[int, int]]) -> None:
+        """After a re-attach: recompute whoever holds a block whose K/V is not what was
+        written, naming it (never serve a token computed from it)."""
+        for block in self.sums.mismatches(reported):
+            holders = self.scheduler.drop_corrupt(block)
+            log.error(
+                "KV block %d fails its checksum after the re-attach (held by %s): %s",
+                block,
+                ", ".join(holders) or "no request, cached-free",
+                "recomputing" if holders else "dropped from the prefix cache",
+            )
 
     def audit(self, rows: list[RowSummary] | None = None) -> None:
         """Check every invariant (InvariantViolation), between iterations. ``rows`` are the

@@ -263,6 +263,19 @@ class Scheduler:
             self.allocator.free_all(extra[::-1])
         return again
 
+    def drop_corrupt(self, block: int) -> list[str]:
+        """A block's K/V is not what was written: it leaves the index and every running request
+        holding it is preempted, to be recomputed; so is every request newer than the oldest
+        of them, since nothing may wait that is older than a running request (their cached
+        blocks stay indexed: their readmission finds them). Returns the holders' ids."""
+        holders = [r for r in self.running if block in r.block_ids]
+        self.cache.forget([block])
+        if holders:
+            oldest = self.running.index(holders[0])
+            while len(self.running) > oldest:  # newest first: the oldest ends at the head
+                self._preempt(self.running[-1])
+        return [r.request_id for r in holders]
+
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
         while self.waiting and self.slots.any_free() and budget > 0:
             request = self.waiting[0]

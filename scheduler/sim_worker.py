@@ -114,15 +114,27 @@ class SimWorker:
         began = time.perf_counter()
         for slot in step.released_slots:
             self._rows[slot] = _Row()
+        sums = [(block, self.checksum(block)) for block in step.verify_blocks]
         samples = []
+        size = len(self._kv[0])
         for item in step.items:
             token = self._run_item(item)
             if token is not None:
                 samples.append(Sample(request_id=item.request_id, token_id=token))
+            table, end = self._rows[item.slot].block_ids, item.start + len(item.token_ids)
+            sums += [(b, self.checksum(b)) for b in table[item.start // size : end // size]]
         rows = self.rows() if step.audit else None
         return StepResult(
-            step_id=step.step_id, samples=samples, rows=rows, forward_s=time.perf_counter() - began
+            step_id=step.step_id,
+            samples=samples,
+            rows=rows,
+            forward_s=time.perf_counter() - began,
+            block_sums=sums,
         )
+
+    def checksum(self, block: int) -> int:
+        """CRC-32 of a block's simulated K/V, as the real worker sums its blocks' bytes."""
+        return zlib.crc32(self._kv[block].tobytes())
 
     def _run_item(self, item: StepItem) -> int | None:
         if not 0 <= item.slot < len(self._rows):

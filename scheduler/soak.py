@@ -127,12 +127,12 @@ def soak(
         if iteration in kill_at:
             in_flight += _kill(engine, rng)
             sched = engine.scheduler
-        before = (sched.num_preemptions_total, sched.tokens_scheduled)
+        before = (sched.num_preemptions_total, sched.tokens_scheduled, engine.checks)
         try:
             outputs = engine.step()
         except InvariantViolation as exc:
             raise InvariantViolation(f"at iteration {iteration}: {exc}") from exc
-        stalled = before == (sched.num_preemptions_total, sched.tokens_scheduled)
+        stalled = before == (sched.num_preemptions_total, sched.tokens_scheduled, engine.checks)
         if not outputs and stalled and not engine.num_in_flight:
             if engine.has_unfinished():
                 raise LivelockError(f"at iteration {iteration}: {engine.describe_stall()}")

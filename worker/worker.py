@@ -178,6 +178,7 @@ class Worker:
                 self.settle()  # the leader names every pending token to the other ranks
                 step = tp_steps.lead(self.group, step, self.row_table)
             self.row_table.check(step, self.spec.vocab_size)
+            verified = [(b, self.cache.checksum(b)) for b in step.verify_blocks if self._known(b)]
             self.row_table.release(step.released_slots)
             applied = [self.row_table.apply(item) for item in step.items]
             bs = self.config.block_size
@@ -208,6 +209,9 @@ class Worker:
             with torch.inference_mode():  # everything: compiled graphs guard on it
                 launched = self.runner.queue(step, applied, sampled, start_masks, early, audit)
             launched.launch_s = time.perf_counter() - began
+            launched.verified = verified
+            if self.cache.attachment.mapping is not None:  # a shared pool: sum what fills
+                launched.filled = filled_blocks(step, applied, self.config.block_size)
             self._in_flight.append(launched)
             return launched
         finally:
@@ -226,6 +230,7 @@ class Worker:
             self._in_step = False
             self._step_ended = time.monotonic()
         masks = launched.masks
+        sums = launched.verified + [(b, self.cache.checksum(b)) for b in launched.filled]
         result = StepResult(
             step_id=launched.step.step_id,
             samples=samples,
@@ -236,9 +241,13 @@ class Worker:
             grammar_apply_s=masks.apply_s if masks else 0.0,
             decode_path=self.decode_path,
             num_threads=torch.get_num_threads(),
+            block_sums=sums,
         )
         self.threads.after_step(result.forward_s)  # the next step may run on another count
         return result
+
+    def _known(self, block: int) -> bool:
+        return 0 <= block < self.cache.num_blocks
 
     def settle(self) -> None:
         """Wait for every launched step's sampled ids and write them into the rows (their
@@ -281,3 +290,13 @@ class Worker:
     def rows(self) -> list[RowSummary]:
         """Every slot's row as it stands now."""
         return self.row_table.summaries()
+
+
+def filled_blocks(step: StepInput, applied: list, block_size: int) -> list[int]:
+    """The blocks each item of ``step`` fills (its tokens reach their last position)."""
+    filled = []
+    for item, (row, _) in zip(step.items, applied, strict=True):
+        end = item.start + len(item.token_ids)
+        for index in range(item.start // block_size, end // block_size):
+            filled.append(row.block_table[index])
+    return filled

@@ -15,6 +15,7 @@ layer would be a fresh mmap, and its page faults cost more than the copy itself.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -105,6 +106,12 @@ class KVCache:
         """Zero positions ``[offset, block_size)`` of a block whose head holds K/V a worker
         before this one wrote (a re-attached row's last, partial block)."""
         self.pool[:, :, :, block, offset:].zero_()
+
+    def checksum(self, block: int) -> int:
+        """CRC-32 of a block's K/V bytes, every layer, K then V (what the scheduler records
+        and checks after a re-attach: docs/kv_pool.md)."""
+        data = self.pool[:, :, :, block].contiguous().view(torch.uint8)  # (L, 2, H, bs, hd * e)
+        return zlib.crc32(data.cpu().numpy())
 
     def layers(self) -> torch.Tensor:
         """Every layer's K and V, (num_layers, 2, n_kv_heads, (num_blocks + 1) * block_size,
