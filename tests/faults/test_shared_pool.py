@@ -158,3 +158,103 @@ async def test_a_killed_holder_costs_recompute_never_text(pool_server, roles):
         metrics["nanoserve:kv_pool_reattaches_total"]
         == before["nanoserve:kv_pool_reattaches_total"]
     )
+
+
+def running_blocks(run_id: str, timeout: float = 30.0) -> dict[str, list[int]]:
+    """The running requests' block ids, from the scheduler's monitor feed (bounded)."""
+    import msgspec
+    import zmq
+
+    from protocol.addresses import default_addresses
+    from protocol.monitor import PoolSnapshot
+
+    context = zmq.Context.instance()
+    socket = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    socket.connect(default_addresses(run_id).monitor)
+    decoder = msgspec.msgpack.Decoder(PoolSnapshot)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if socket.poll(200):
+                snapshot = decoder.decode(socket.recv())
+                rows = {r.request_id: list(r.blocks) for r in snapshot.requests if r.running}
+                if rows and all(rows.values()):
+                    return rows
+        raise AssertionError("no snapshot with running requests")
+    finally:
+        socket.close(0)
+
+
+def flip_block(run_id: str, block: int) -> None:
+    """Flip 64 bytes of ``block``'s K (layer 0, head 0) in the shared pool's file."""
+    from holder.pool_file import pool_directory, pool_prefix
+    from protocol.kv_pool import HEADER_BYTES, element_size, unpack_header
+
+    [path] = pool_directory().glob(pool_prefix(run_id) + "*")
+    with open(path, "r+b") as pool:
+        geometry, _, _ = unpack_header(pool.read(HEADER_BYTES))
+        block_bytes = geometry.block_size * geometry.head_dim * element_size(geometry.dtype)
+        offset = HEADER_BYTES + block * block_bytes  # (layer 0, K, head 0, block, ...)
+        pool.seek(offset)
+        data = bytes(b ^ 0xFF for b in pool.read(64))
+        pool.seek(offset)
+        pool.write(data)
+
+
+async def test_a_corrupted_held_block_is_named_and_recomputed(pool_server):
+    server = pool_server
+    prompts = [long_prompt(10 + i, words=250) for i in range(4)]
+    async with aiohttp.ClientSession() as session:
+        calm, tasks = start_streams(session, server, [body(p, "c-calm") for p in prompts])
+        await asyncio.wait_for(asyncio.gather(*tasks), 300.0)
+        before = await asyncio.to_thread(server.metrics)
+        mark = server.log_size("scheduler")
+        streams, tasks = start_streams(session, server, [body(p, "c-kill") for p in prompts])
+        deadline = time.monotonic() + 300.0
+        while not all(len(s.times) >= 3 for s in streams):
+            assert time.monotonic() < deadline, server.logs()
+            await asyncio.sleep(0.01)
+        rows = await asyncio.to_thread(running_blocks, server.run_id)
+        victim, blocks = next(iter(rows.items()))
+        os.kill(server.child_pid("worker"), signal.SIGKILL)
+        flip_block(server.run_id, blocks[0])  # before the new worker maps the pool
+        await asyncio.wait_for(asyncio.gather(*tasks), 300.0)
+    for after, undisturbed in zip(streams, calm, strict=True):
+        assert after.done and not after.errors, after.errors
+        assert after.text == undisturbed.text  # no token came from the flipped bytes
+    log = (server.log_dir / "scheduler.log").read_bytes()[mark:].decode()
+    assert f"KV block {blocks[0]} fails its checksum after the re-attach (held by {victim}" in (
+        log
+    ), server.logs()
+    metrics = await assert_pool_empty(server)
+    assert metrics["nanoserve:kv_pool_reattaches_total"] == (
+        before["nanoserve:kv_pool_reattaches_total"] + 1
+    )
+
+
+@pytest.mark.parametrize("change", [{"num_blocks": 96}, {"kv_cache_dtype": "float16"}])
+def test_another_geometry_between_starts_falls_back_with_one_line(tmp_path, change):
+    from tests.servers import start_server
+
+    server = start_server(
+        tmp_path, roles=("kv-holder", "worker"), shared_kv_pool=1, num_blocks=64, dtype="float32"
+    )
+    try:
+        server.wait_log("worker", r"KV pool: shared pool \w+, generation 1", timeout=120.0)
+        server.processes["worker"].send_signal(signal.SIGTERM)
+        server.processes["worker"].wait(30.0)
+        mark = server.log_size("worker")
+        server.env.update({f"NANOSERVE_{k.upper()}": str(v) for k, v in change.items()})
+        server.start("worker")
+        server.wait_log("worker", r"model .* ready", mark, timeout=120.0)
+        lines = [
+            line
+            for line in (server.log_dir / "worker.log").read_text()[mark:].splitlines()
+            if "KV pool:" in line
+        ]
+        assert len(lines) == 1, lines
+        assert "KV pool: private, not shared (geometry): the holder refused" in lines[0]
+    finally:
+        server.stop()
