@@ -4,7 +4,7 @@ It binds a ROUTER at the run's holder endpoint and owns at most one ``PoolFile``
 first request creates it with the worker's geometry; later ones get the same pool, its
 generation bumped, when their geometry is the same (any block count, if theirs came from a
 budget). It refuses, and says why, when the geometry differs, or while the worker that attached
-last is still alive (two workers must never write one pool). SIGTERM or SIGINT removes the file
+last still maps the pool (two workers must never write one pool). SIGTERM or SIGINT removes the file
 and exits 0; a SIGKILLed holder's file is removed by the next holder of the run.
 """
 
@@ -24,13 +24,14 @@ from protocol.kv_pool import PROTOCOL_VERSION, AttachPool, PoolGranted, ToHolder
 log = logging.getLogger("nanoserve.holder")
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (not a zombie)."""
+def maps(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` still maps ``path``. A SIGKILLed process stops mapping anything
+    as its exit detaches its memory, before the kernel tears that memory down (seconds, for a
+    worker's gigabytes) and long before its parent reaps it: from then on it cannot write."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+        return str(path) in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False  # no such process (or not ours to read: then it is not a worker of ours)
 
 
 class Holder:
@@ -41,12 +42,15 @@ class Holder:
         self.directory = directory
         self.pool: PoolFile | None = None
         self.attached_pid: int | None = None
+        self._last_refusal: tuple[int, str] | None = None
 
     def attach(self, request: AttachPool) -> PoolGranted:
         """Grant the pool to a worker, or say why not."""
         kind, refuse = self._refusal(request)
         if refuse:
-            log.warning("pool refused to worker pid %d: %s", request.pid, refuse)
+            if (request.pid, kind) != self._last_refusal:  # a standby asks 50 times a second
+                log.warning("pool refused to worker pid %d: %s", request.pid, refuse)
+                self._last_refusal = (request.pid, kind)
             return PoolGranted(protocol_version=PROTOCOL_VERSION, reason=refuse, refusal=kind)
         if self.pool is None:
             self.pool = PoolFile(self.run_id, request.geometry, self.directory)
@@ -73,12 +77,11 @@ class Holder:
         if request.protocol_version != PROTOCOL_VERSION:
             why = f"protocol {request.protocol_version}, the holder's {PROTOCOL_VERSION}"
             return "protocol", why
-        previous = self.attached_pid
-        if previous is not None and previous != request.pid and alive(previous):
-            return "in_use", f"worker pid {previous} still maps the pool"
-        pool = self.pool
+        pool, previous = self.pool, self.attached_pid
         if pool is None:
             return "", ""
+        if previous is not None and previous != request.pid and maps(previous, pool.path):
+            return "in_use", f"worker pid {previous} still maps the pool"
         have, want = pool.geometry, request.geometry
         if have.layout() != want.layout() or (
             have.num_blocks != want.num_blocks and not request.any_size

@@ -169,6 +169,10 @@ class WorkerSide:
                 PROTOCOL_VERSION,
             )
             return None
+        if self.worker is not None and peer != self.worker.peer and ready.pool_generation > 1:
+            # It took the pool over: the holder granted it only once the last worker was gone,
+            # which our socket monitor may not have reported yet (a standby is that quick).
+            self.lost("a new worker took its pool over")  # frontends hear with the ready
         engine, before = self._engine, self._engine.ready_info
         restarts = engine.restarts
         reattaches, fallbacks = restarts.reattaches, sum(restarts.fallbacks.values())

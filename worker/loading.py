@@ -123,7 +123,13 @@ def make_cache(
     attachment = None
     if config.shared_kv_pool:
         attachment = _attach(
-            holder, plan.kv_pool, group, num_blocks, config.num_blocks is None, **geometry
+            config.standby_workers > 0,
+            holder,
+            plan.kv_pool,
+            group,
+            num_blocks,
+            config.num_blocks is None,
+            **geometry,
         )
         if attachment.geometry is not None:
             num_blocks = attachment.geometry.num_blocks
@@ -147,6 +153,7 @@ def make_cache(
 
 
 def _attach(
+    standby: bool,
     holder: str | None,
     pool: str,
     group: Group,
@@ -174,4 +181,4 @@ def _attach(
         dtype=str(dtype).removeprefix("torch."),
         num_blocks=num_blocks,
     )
-    return attach(holder, geometry, any_size)
+    return attach(holder, geometry, any_size, standby=standby)

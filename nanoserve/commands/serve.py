@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     roles = ("kv-holder", *ROLES) if args.shared_kv_pool else ROLES
     for role in roles:
         children[role] = subprocess.Popen(role_command(role), env=environment)
+    for index in range(args.standby_workers):  # each waits to take the pool over
+        children[f"standby-{index}"] = subprocess.Popen(role_command("worker"), env=environment)
     try:
         while not stopping:
             for role, child in children.items():
@@ -91,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
 def stop_all(children: dict[str, subprocess.Popen], timeout: float = 30.0) -> None:
     """SIGTERM the frontend first so it can drain, then the rest; SIGKILL what lingers."""
-    for role in ("frontend", "scheduler", "worker", "kv-holder"):
+    standbys = [role for role in children if role.startswith("standby-")]
+    for role in ("frontend", "scheduler", "worker", *standbys, "kv-holder"):
         child = children.get(role)
         if child is None or child.poll() is not None:
             continue

@@ -306,3 +306,45 @@ async def test_soak_with_worker_kills_at_random_steps(pool_server):
     record("shared_pool_soak_kills", kills)
     record("shared_pool_soak_tokens_recomputed", recomputed)
     record("shared_pool_soak_in_flight_bound", kills * 2 * len(prompts))
+
+
+async def test_a_standby_takes_the_pool_over(tmp_path_factory):
+    """--standby-workers 1: a second worker process, model loaded, waits; when the active one
+    is SIGKILLed it takes the pool over and every stream's next token follows within a
+    fraction of a second; the supervisor's restarted worker is the next standby."""
+    from tests.servers import start_server
+
+    server = start_server(
+        tmp_path_factory.mktemp("standby"),
+        roles=("kv-holder", *ROLES),
+        supervised=SUPERVISED,
+        audit=1,
+        dtype="float32",
+        shared_kv_pool=1,
+        standby_workers=1,
+        num_blocks=512,
+        num_slots=16,
+        threads=2,
+    )
+    try:
+        server.start("worker", supervised=True, name="standby")
+        server.wait_log("standby", "waiting to take the KV pool over", timeout=120.0)
+        prompts = [long_prompt(30 + i, words=300) for i in range(8)]
+        async with aiohttp.ClientSession() as session:
+            calm, tasks = start_streams(session, server, [body(p, "calm") for p in prompts])
+            await asyncio.wait_for(asyncio.gather(*tasks), 300.0)
+            streams, gaps = await kill_mid_stream(
+                session, server, [body(p, "kill") for p in prompts], ("worker",)
+            )
+        for after, undisturbed in zip(streams, calm, strict=True):
+            assert after.done and not after.errors, after.errors
+            assert after.text == undisturbed.text
+        server.wait_log("standby", "KV pool: shared pool \\w+, generation 2", timeout=10.0)
+        server.wait_log("worker", "waiting to take the KV pool over", timeout=120.0)
+        metrics = await assert_pool_empty(server)
+        assert metrics["nanoserve:kv_pool_reattaches_total"] == 1, server.logs()
+        record("standby_kill_to_next_token_max", max(gaps))
+        record("standby_kill_to_next_token_min", min(gaps))
+        print("\nstandby, float32: SIGKILL to next token of each stream (s):", sorted(gaps))
+    finally:
+        server.stop()

@@ -5,6 +5,7 @@ wrote them. A killed holder's file is removed by the next holder of the run."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import stat
@@ -100,14 +101,19 @@ def test_no_holder_is_a_fallback_not_an_error(tmp_path) -> None:
     assert "no pool holder answered" in result.reason
 
 
-def test_a_second_live_worker_is_refused(tmp_path) -> None:
+def test_a_second_worker_is_refused_while_the_first_maps_the_pool(tmp_path) -> None:
     holder = Holder("unit-" + os.urandom(4).hex(), directory=tmp_path)
     try:
         request = AttachPool(protocol_version=PROTOCOL_VERSION, geometry=GEOMETRY, pid=os.getpid())
-        assert holder.attach(request).generation == 1
+        granted = holder.attach(request)
+        assert granted.generation == 1
+        with open(granted.path, "r+b") as file:
+            mapping = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_SHARED)
         other = AttachPool(protocol_version=PROTOCOL_VERSION, geometry=GEOMETRY, pid=os.getppid())
         refused = holder.attach(other)
         assert refused.refusal == "in_use" and f"pid {os.getpid()}" in refused.reason
+        mapping.close()  # as a dying worker's exit detaches its memory
+        assert holder.attach(other).generation == 2
         header = (tmp_path / Path(holder.pool.path).name).read_bytes()[:HEADER_BYTES]
         assert header.startswith(b"NSKVPOOL")
     finally:

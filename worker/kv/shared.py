@@ -10,8 +10,10 @@ label on the scheduler's metric).
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -28,6 +30,9 @@ from protocol.kv_pool import (
 )
 
 ATTACH_TIMEOUT_S = 2.0
+STANDBY_POLL_S = 0.02  # a standby asks this often: the holder answers from /proc, in microseconds
+
+log = logging.getLogger("nanoserve.worker")
 
 
 @dataclass(frozen=True)
@@ -53,9 +58,30 @@ def private(fallback: str, reason: str) -> Attachment:
 
 
 def attach(
-    address: str, geometry: PoolGeometry, any_size: bool, timeout_s: float = ATTACH_TIMEOUT_S
+    address: str,
+    geometry: PoolGeometry,
+    any_size: bool,
+    timeout_s: float = ATTACH_TIMEOUT_S,
+    standby: bool = False,
 ) -> Attachment:
-    """Ask the holder at ``address`` for a pool of ``geometry`` and map it."""
+    """Ask the holder at ``address`` for a pool of ``geometry`` and map it. ``standby``: while
+    another live worker maps the pool, wait (asking every ``STANDBY_POLL_S``) and take it over
+    once that worker is gone, instead of falling back to a private pool."""
+    waited = False
+    while True:
+        result = _attach_once(address, geometry, any_size, timeout_s)
+        if not standby or result.fallback != "in_use":
+            return result
+        if not waited:
+            log.info("standby: the model is loaded; waiting to take the KV pool over")
+            waited = True
+        time.sleep(STANDBY_POLL_S)
+
+
+def _attach_once(
+    address: str, geometry: PoolGeometry, any_size: bool, timeout_s: float
+) -> Attachment:
+    """One ``AttachPool`` and its answer, mapped."""
     context = zmq.Context.instance()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
