@@ -343,6 +343,9 @@ async def test_a_standby_takes_the_pool_over(tmp_path_factory):
         server.wait_log("worker", "waiting to take the KV pool over", timeout=120.0)
         metrics = await assert_pool_empty(server)
         assert metrics["nanoserve:kv_pool_reattaches_total"] == 1, server.logs()
+        # The scheduler's own view: from the death (as it learned it) to each stream's token.
+        assert metrics["nanoserve:worker_death_to_token_seconds_count"] == len(prompts)
+        assert 0 < metrics["nanoserve:worker_death_to_token_seconds_last_max"] <= max(gaps)
         record("standby_kill_to_next_token_max", max(gaps))
         record("standby_kill_to_next_token_min", min(gaps))
         print("\nstandby, float32: SIGKILL to next token of each stream (s):", sorted(gaps))
