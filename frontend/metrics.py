@@ -122,6 +122,36 @@ MIRRORED = (
         "Frontends the scheduler lost (their requests were aborted)",
         "frontends_lost_total",
     ),
+    (
+        "nanoserve:kv_pool_reattaches_total",
+        "New workers that took over a dead worker's shared KV pool (no recompute)",
+        "kv_pool_reattaches_total",
+    ),
+    (
+        "nanoserve:worker_restart_tokens_recomputed_total",
+        "Tokens of K/V computed again because a worker died",
+        "worker_restart_tokens_recomputed_total",
+    ),
+    (
+        "nanoserve:worker_restart_tokens_recomputed_last",
+        "Tokens of K/V computed again because of the latest worker death",
+        "worker_restart_tokens_recomputed_last",
+    ),
+    (
+        "nanoserve:worker_death_to_token_seconds_sum",
+        "Seconds from a worker's death to the next token of each request running then, summed",
+        "worker_death_to_token_s_sum",
+    ),
+    (
+        "nanoserve:worker_death_to_token_seconds_count",
+        "Requests whose next token after a worker's death was timed",
+        "worker_death_to_token_s_count",
+    ),
+    (
+        "nanoserve:worker_death_to_token_seconds_last_max",
+        "The latest worker death: seconds to the next token of its slowest running request",
+        "worker_death_to_token_s_last_max",
+    ),
 )
 
 
@@ -258,6 +288,12 @@ class Metrics:
             "Frames a slow web page missed (its queue keeps the newest only)",
             registry=r,
         )
+        self.pool_fallbacks = Gauge(
+            "nanoserve:kv_pool_fallbacks_total",
+            "Worker restarts that recomputed instead of re-attaching the shared KV pool, by reason",
+            ["reason"],
+            registry=r,
+        )
         self.recent_ttft = Recent()
         self.recent_itl = Recent()
 
@@ -305,6 +341,8 @@ class Metrics:
         self.decode_path.state(path if path in DECODE_PATHS else "unknown")
         for gauge, field in self.mirrored:
             gauge.set(getattr(stats, field))
+        for reason, count in stats.kv_pool_fallbacks.items():
+            self.pool_fallbacks.labels(reason=reason).set(count)
         total = stats.kv_blocks_total
         self.kv_usage.set(stats.kv_blocks_used / total if total else 0.0)
         drafts = stats.spec_drafts_total

@@ -17,6 +17,7 @@ COMMANDS = [
     "frontend",
     "scheduler",
     "worker",
+    "kv_holder",
     "supervise",
     "generate",
     "soak",

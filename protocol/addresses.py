@@ -17,16 +17,19 @@ from pathlib import Path
 @dataclass(frozen=True)
 class Addresses:
     """The scheduler's two ROUTER endpoints (frontends and the worker connect to them) and its
-    monitor feed for the web page (an XPUB that frontends subscribe to; None: no feed)."""
+    monitor feed for the web page (an XPUB that frontends subscribe to; None: no feed), and
+    the KV pool holder's endpoint (``holder/``; always ipc: it shares memory with the worker,
+    so it is on the same machine)."""
 
     frontend: str
     worker: str
     monitor: str | None = None
+    holder: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("frontend", "worker", "monitor"):
+        for name in ("frontend", "worker", "monitor", "holder"):
             value = getattr(self, name)
-            if value is None and name == "monitor":
+            if value is None and name in ("monitor", "holder"):
                 continue
             if not value.startswith(("ipc://", "tcp://", "inproc://")):
                 raise ValueError(f"{name} address must be ipc://, tcp:// or inproc://: {value}")
@@ -54,11 +57,13 @@ def default_addresses(
             frontend=f"ipc://{directory}/{run_id}-frontend.sock",
             worker=f"ipc://{directory}/{run_id}-worker.sock",
             monitor=f"ipc://{directory}/{run_id}-monitor.sock",
+            holder=f"ipc://{directory}/{run_id}-holder.sock",
         )
     if transport == "tcp":
         return Addresses(
             frontend=f"tcp://127.0.0.1:{port}",
             worker=f"tcp://127.0.0.1:{port + 1}",
             monitor=f"tcp://127.0.0.1:{port + 2}",
+            holder=f"ipc://{runtime_dir()}/{run_id}-holder.sock",
         )
     raise ValueError(f"unknown transport {transport!r} (use ipc or tcp)")

@@ -80,6 +80,10 @@ class Rewind(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=Tru
     slot: int
     num_blocks: int
     num_cached: int
+    # A fresh row re-attached to K/V an earlier worker wrote into the shared pool (see
+    # docs/kv_pool.md): its blocks up to position ``start`` hold that K/V, and ``start`` need
+    # not end a block. An older worker ignores the field and refuses the unaligned start.
+    attached: bool = False
 
 
 class StepInput(Message):
@@ -91,6 +95,9 @@ class StepInput(Message):
     released_slots: list[int] = []
     audit: bool = False
     rewinds: list[Rewind] = []
+    # Blocks whose K/V checksums the worker returns before running any item: after a
+    # re-attach, the scheduler checks the kept K/V against the sums it recorded (docs/kv_pool.md).
+    verify_blocks: list[int] = []
 
 
 class Shutdown(Message):
@@ -173,6 +180,9 @@ class StepResult(Message):
     # grammars compiled in this step's mask fill, on its path: ones the scheduler did not hold
     # back (a row resumed on a new worker, one the worker's cache had dropped)
     grammar_compiles: int = 0
+    # (block, CRC-32 of its K/V bytes, every layer) for each block this step filled, on a
+    # shared pool, and for each of the step's ``verify_blocks``.
+    block_sums: list[tuple[int, int]] = []
 
 
 class WorkerReady(Message):
@@ -193,6 +203,12 @@ class WorkerReady(Message):
     # How the worker runs its steps, chosen once at start (``worker.plan.Plan.summary``): what
     # its log, /metrics and the web page show.
     plan: dict[str, str] = {}
+    # The shared K/V pool it mapped (``holder/``): its id and generation after this worker's
+    # attach ("" and 0 for a private pool), or the kind of reason it is private although
+    # --shared-kv-pool asked for a shared one ("" otherwise).
+    pool_id: str = ""
+    pool_generation: int = 0
+    pool_fallback: str = ""
 
 
 class Heartbeat(Message):

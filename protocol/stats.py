@@ -46,6 +46,12 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
       ``spec_draft_tokens_total``: draft tokens they carried; ``spec_accepted_tokens_total``:
       of those, accepted. Each verification also yields one token of its own, so the mean
       acceptance length is ``(accepted + drafts) / drafts``.
+    - Worker restarts (docs/kv_pool.md): ``kv_pool_reattaches_total``, new workers that took
+      over the lost one's shared pool; ``kv_pool_fallbacks``, restarts that recomputed instead,
+      by reason; ``worker_restart_tokens_recomputed_total``, tokens of K/V computed again
+      because a worker died (``_last``: the latest restart's); ``worker_death_to_token_s_*``,
+      seconds from a worker's death to the next token of each request running then (sum and
+      count over every restart; ``_last_max``: the latest restart's slowest request).
     """
 
     num_running: int = 0
@@ -79,3 +85,10 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_onl
     spec_drafts_total: int = 0
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
+    kv_pool_reattaches_total: int = 0
+    kv_pool_fallbacks: dict[str, int] = {}
+    worker_restart_tokens_recomputed_total: int = 0
+    worker_restart_tokens_recomputed_last: int = 0
+    worker_death_to_token_s_sum: float = 0.0
+    worker_death_to_token_s_count: int = 0
+    worker_death_to_token_s_last_max: float = 0.0

@@ -66,6 +66,8 @@ def audit_rows(scheduler: Scheduler, rows: list[RowSummary]) -> None:
     for slot, row in sorted(by_slot.items()):
         if slot in pending:
             _check_stale_row(scheduler, row)
+        elif slot in owners and owners[slot].reattached:
+            _check_kept_row(scheduler, row, owners[slot])
         elif slot in owners:
             _check_held_row(scheduler, row, owners[slot])
         elif row.request_id is not None or row.block_ids or row.num_cached:
@@ -88,6 +90,24 @@ def _check_stale_row(scheduler: Scheduler, row: RowSummary) -> None:
                 f"slot {row.slot} awaits release but its row's block {block} is held by "
                 f"request {held[block]}"
             )
+
+
+def _check_kept_row(scheduler: Scheduler, row: RowSummary, owner: Request) -> None:
+    """A request kept across a worker's death (``Request.rollback``) whose row the new worker
+    has not begun: the row is empty (the K/V is the shared pool's, not a row's), and its blocks
+    cover what it computed, with nothing pending."""
+    name = owner.request_id
+    if row.request_id is not None or row.block_ids or row.num_cached:
+        raise InvariantViolation(
+            f"slot {row.slot} of request {name}, kept across a re-attach, already has a row "
+            f"({row.request_id}, {len(row.block_ids)} blocks, {row.num_cached} tokens)"
+        )
+    size = scheduler.allocator.block_size
+    if owner.num_pending or len(owner.block_ids) * size < owner.num_computed:
+        raise InvariantViolation(
+            f"request {name}, kept across a re-attach, has {owner.num_pending} pending tokens "
+            f"and {len(owner.block_ids)} blocks for {owner.num_computed} computed tokens"
+        )
 
 
 def _check_held_row(scheduler: Scheduler, row: RowSummary, owner: Request) -> None:

@@ -22,6 +22,7 @@ class ScheduledChunk:
     epoch: int = 0  # the request's epoch when scheduled: a preemption since makes it stale
     fresh: bool = False  # begins the request's row; positions below start are cache hits
     drafts: tuple[int, ...] = ()  # draft tokens after its last token, verified by this step
+    attached: bool = False  # fresh, on K/V a lost worker wrote below start (Request.rollback)
 
 
 @dataclass
@@ -67,6 +68,7 @@ def step_item(chunk: ScheduledChunk) -> StepItem:
         prompt_len=request.num_prompt_tokens,
         fresh=True,
         cached_token_ids=request.token_slice(0, start),
+        attached=chunk.attached,
     )
 
 

@@ -24,7 +24,7 @@ kept up to date by every change, so the web page's snapshot of a large pool is o
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
 from protocol.blocks import blocks_for
@@ -277,6 +277,22 @@ class BlockAllocator:
         self._evictable.clear()
         self._hash_of.clear()
         self._by_hash.clear()
+        return dropped
+
+    def forget(self, block_ids: Iterable[int]) -> list[bytes]:
+        """Drop the hashes of these blocks (their K/V may never have been written): a held one
+        stays held, a cached-free one becomes uncached-free. Returns the hashes dropped."""
+        dropped = []
+        for block_id in block_ids:
+            digest = self._hash_of.pop(block_id, None)
+            if digest is None:
+                continue
+            del self._by_hash[digest]
+            dropped.append(digest)
+            if block_id in self._evictable:
+                del self._evictable[block_id]
+                self._free_set.add(block_id)
+                self._states[block_id] = FREE
         return dropped
 
     def _release(self, block_id: int) -> None:

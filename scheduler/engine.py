@@ -19,6 +19,7 @@ holds it, ``grammar_compiled`` queues it.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Protocol
 
@@ -43,8 +44,12 @@ from scheduler.errors import RequestRejected
 from scheduler.grammar_gate import GrammarGate
 from scheduler.in_process import InProcessRuns
 from scheduler.kv_events import KvEventLog
+from scheduler.pool_sums import PoolSums
+from scheduler.restarts import RestartLog, can_reattach, written_blocks
 from scheduler.scheduler import Scheduler
 from scheduler.sizing import build_scheduler, geometry, move_to_pool
+
+log = logging.getLogger("nanoserve.scheduler")
 
 
 class WorkerLike(Protocol):
@@ -82,7 +87,13 @@ class Engine(InProcessRuns):
             self.scheduler, self.ready_info = build_scheduler(ready, config, allocator), ready
             self.scheduler.cache.record(self.kv_events)
         self.depth = 2 if config.overlap else 1  # steps in flight at most
-        self._in_flight: deque[tuple[Batch, StepInput]] = deque()  # oldest first
+        # Oldest first; with each step the blocks its chunks write (for a re-attach).
+        self._in_flight: deque[tuple[Batch, StepInput, list[int]]] = deque()
+        self.restarts = RestartLog()
+        self.sums = PoolSums()
+        self._verify: list[int] | None = None  # kept blocks to check before the next step
+        self._verifying: int | None = None  # the step id that checks them, while in flight
+        self.checks = 0  # such checks applied
         self._next_step_id = 0
         self._steps_applied = 0
         self._busy_s = 0.0
@@ -169,13 +180,26 @@ class Engine(InProcessRuns):
         for it. ValueError, with nothing changed, if the config asks for more than it has.
 
         The first worker sizes the ledgers. One of the same geometry (``sizing.geometry``)
-        takes the requests over: running ones wait to be recomputed, and with another pool size
-        they move to its pool, where those it cannot hold end with an error. One of another
-        geometry starts afresh: every request ends with an error.
+        takes the requests over: after ``worker_lost(keep=True)``, running requests keep their
+        blocks when it re-attached to the lost worker's shared pool (``can_reattach``); else
+        they wait to be recomputed, and with another pool size they move to its pool, where
+        those it cannot hold end with an error. One of another geometry starts afresh: every
+        request ends with an error.
         """
         old = self.ready_info
+        if old is not None and self.restarts.kept:
+            why = can_reattach(old, ready) or ("" if geometry(old) == geometry(ready) else "model")
+            if not why:
+                self.restarts.reattached()
+                self.ready_info = ready
+                self._verify = self.sums.to_verify(self.scheduler, self.config.audit)
+                return []
+            self.restarts.fell_back(why, self._computed())
+        self.sums = PoolSums()  # whatever pool comes, the sums recorded are not of it
         if old is not None and geometry(old) == geometry(ready):
-            self.worker_lost()
+            self._in_flight.clear()
+            self._verify = self._verifying = None
+            self.scheduler.preempt_all()
             ended = []
             if ready.num_blocks != old.num_blocks:
                 ended = move_to_pool(self.scheduler, ready, self.config)
@@ -188,6 +212,7 @@ class Engine(InProcessRuns):
             for rid in (self.scheduler.known_ids if old is not None else ())
         ]
         self._in_flight.clear()
+        self._verify = self._verifying = None
         if old is not None:
             self.scheduler.cache.clear()  # the old pool and its index are gone
         self.scheduler, self.ready_info = scheduler, ready
@@ -200,13 +225,38 @@ class Engine(InProcessRuns):
             ]
         return ended
 
-    def worker_lost(self) -> None:
-        """Forget the steps in flight and every cache row: running requests recompute later."""
+    def worker_lost(self, keep: bool = False) -> None:
+        """Forget the steps in flight and every cache row: running requests recompute later.
+        ``keep``: the worker died, and its pool may outlive it (it was the holder's): running
+        requests keep their blocks, rolled back to what acknowledged steps computed, until the
+        next worker announces itself (``fit``)."""
+        lost = list(self._in_flight)
         self._in_flight.clear()
         if self.grammars is not None:
             self.grammars.worker_changed()
-        if self.fitted:
-            self.scheduler.preempt_all()
+        self._verify = self._verifying = None
+        ready = self.ready_info
+        if ready is None or self.restarts.kept:
+            return  # nothing to keep, or kept already (the next worker has not come)
+        # Draft tokens in flight or rows to cut back after rejected drafts: the lost steps'
+        # rows are not what acknowledged tokens say, so those requests recompute.
+        drafting = bool(self.scheduler.pending_rewinds) or any(
+            request.num_draft for request in self.scheduler.running
+        )
+        if keep and ready.pool_id and not drafting:
+            chunks = [chunk for batch, _, _ in lost for chunk in batch.chunks]
+            written = {block for _, _, blocks in lost for block in blocks}
+            self.restarts.kept_for(self.scheduler.keep_for_reattach(chunks, written))
+            return
+        why = ready.pool_fallback or ("refused_step" if ready.pool_id else "")
+        if keep and ready.pool_id and drafting:
+            why = "speculative"
+        self.restarts.fell_back(why, self._computed())
+        self.scheduler.preempt_all()
+
+    def _computed(self) -> int:
+        """Tokens of K/V the running requests hold: what a recompute computes again."""
+        return sum(request.num_computed for request in self.scheduler.running)
 
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
@@ -221,11 +271,12 @@ class Engine(InProcessRuns):
     @property
     def in_flight(self) -> list[StepInput]:
         """The steps in flight, oldest (the next result to apply) first."""
-        return [step for _, step in self._in_flight]
+        return [step for _, step, _ in self._in_flight]
 
     def can_plan(self) -> bool:
-        """True if another step may be sent now (fewer than ``depth`` in flight)."""
-        return len(self._in_flight) < self.depth
+        """True if another step may be sent now (fewer than ``depth`` in flight, and no check
+        of the kept K/V in flight: nothing is planned on it before it is answered)."""
+        return len(self._in_flight) < self.depth and self._verifying is None
 
     def plan(self) -> StepInput | None:
         """Schedule one iteration; None when there is nothing to send."""
@@ -233,18 +284,26 @@ class Engine(InProcessRuns):
             return None
         if not self.can_plan():
             raise RuntimeError(f"{len(self._in_flight)} steps are already in flight")
+        if self._verify:
+            return self._send(Batch([], []), verify=self._verify)
         batch = self.scheduler.schedule()
         if not batch.chunks and not batch.released_slots and not batch.rewinds:
             return None
-        items = [step_item(chunk) for chunk in batch.chunks]
+        return self._send(batch)
+
+    def _send(self, batch: Batch, verify: list[int] | None = None) -> StepInput:
+        """The StepInput of ``batch`` (or of a check of ``verify``'s sums), now in flight."""
         step = StepInput(
             step_id=self._next_step_id,
-            items=items,
+            items=[step_item(chunk) for chunk in batch.chunks],
             released_slots=batch.released_slots,
             audit=self.config.audit,
             rewinds=batch.rewinds,
+            verify_blocks=verify or [],
         )
-        self._in_flight.append((batch, step))
+        if verify:
+            self._verify, self._verifying = None, step.step_id
+        self._in_flight.append((batch, step, written_blocks(batch, self.scheduler)))
         self._next_step_id += 1
         return step
 
@@ -253,8 +312,15 @@ class Engine(InProcessRuns):
         stopped."""
         if not self._in_flight or result.step_id != self._in_flight[0][1].step_id:
             raise RuntimeError(f"result for step {result.step_id} is not the oldest in flight")
-        batch, _ = self._in_flight.popleft()
+        batch, _, _ = self._in_flight.popleft()
         self._steps_applied += 1
+        if result.step_id == self._verifying:
+            self._verifying = None
+            self.checks += 1
+            self._check_sums(result.block_sums)
+            return []
+        if self.ready_info is not None and self.ready_info.pool_id:
+            self.sums.record(batch, result.block_sums, self.scheduler)
         self._busy_s += result.forward_s
         tokens, fill, apply = self._grammar
         self._grammar = (
@@ -285,12 +351,24 @@ class Engine(InProcessRuns):
             outputs.append(request_output(request, sample, reason, gained))
         return outputs
 
+    def _check_sums(self, reported: list[tuple[int, int]]) -> None:
+        """After a re-attach: recompute whoever holds a block whose K/V is not what was
+        written, naming it (never serve a token computed from it)."""
+        for block in self.sums.mismatches(reported):
+            holders = self.scheduler.drop_corrupt(block)
+            log.error(
+                "KV block %d fails its checksum after the re-attach (held by %s): %s",
+                block,
+                ", ".join(holders) or "no request, cached-free",
+                "recomputing" if holders else "dropped from the prefix cache",
+            )
+
     def audit(self, rows: list[RowSummary] | None = None) -> None:
         """Check every invariant (InvariantViolation), between iterations. ``rows`` are the
         worker's rows after the last applied step; with a step still in flight they are audited
         as they will be once it has run (``project_rows``), the state the ledgers already show."""
         if rows is not None:
-            steps = [step for _, step in self._in_flight]
+            steps = [step for _, step, _ in self._in_flight]
             rewinds = self.scheduler.pending_rewinds  # the next step's, planned already
             if rewinds:
                 steps.append(StepInput(step_id=-1, items=[], rewinds=list(rewinds)))
@@ -334,4 +412,8 @@ class Engine(InProcessRuns):
             spec_drafts_total=s.speculation.drafts_total,
             spec_draft_tokens_total=s.speculation.draft_tokens_total,
             spec_accepted_tokens_total=s.speculation.accepted_total,
+            kv_pool_reattaches_total=self.restarts.reattaches,
+            kv_pool_fallbacks=dict(self.restarts.fallbacks),
+            worker_restart_tokens_recomputed_total=self.restarts.tokens_recomputed,
+            worker_restart_tokens_recomputed_last=self.restarts.tokens_recomputed_last,
         )

@@ -47,6 +47,12 @@ class PrefixCache:
         if self.events is not None:
             self.events.cleared()
 
+    def forget(self, blocks: Iterable[int]) -> None:
+        """Drop the hashes of these blocks: the steps that would write their K/V were lost."""
+        for digest in self.allocator.forget(blocks):
+            if self.events is not None:
+                self.events.removed(digest)
+
     def lookup(self, request: Request) -> list[int]:
         """The cached blocks of ``request``'s longest cached prefix, leaving at least one token
         to compute."""

@@ -2,9 +2,9 @@
 
 The scheduler owns these records; the worker only ever sees StepItems built from them. A request
 changes only through its transitions (``admit``, ``take_cached``, ``grow``, ``advance``,
-``advance_draft``, ``verified``, ``cut_blocks``, ``sampled``, ``offered``, ``release``,
-``requeue``, ``finish``), which the scheduler and the
-prefix cache call; they read its fields but never write them.
+``advance_draft``, ``verified``, ``cut_blocks``, ``sampled``, ``offered``, ``rollback``,
+``release``, ``requeue``, ``finish``), which the scheduler and the prefix cache call; they read
+its fields but never write them.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ class Request:
     num_cached_tokens: int | None = None
     num_draft: int = 0
     drafting: DraftState | None = None
+    reattached: bool = False  # its next row is begun on K/V a lost worker wrote (``rollback``)
     arrival_time: float = field(default_factory=time.monotonic)  # for its age on the web page
 
     @property
@@ -190,6 +191,7 @@ class Request:
         computed = self.num_computed + n
         new_blocks = self.block_ids[self.blocks_sent :]
         self.blocks_sent = len(self.block_ids)
+        self.reattached = False
         self.num_computed = computed
         if computed > self.high_water:
             self.high_water = computed
@@ -236,6 +238,22 @@ class Request:
         self.num_pending -= 1
         self.output_token_ids.append(token_id)
 
+    def rollback(self, n: int, block_size: int) -> list[int]:
+        """The worker died with ``n`` of its computed tokens in steps it never answered; its
+        blocks stay in the shared pool (docs/kv_pool.md). It keeps its slot and the blocks its
+        known tokens need, forgets its pending tokens (the new worker samples them again) and
+        begins a fresh row at the first token not acknowledged. Returns the blocks it no longer
+        needs, for the caller to free. The epoch changes: a result of the lost steps is stale."""
+        self.num_computed -= n
+        self.num_pending = 0
+        self.epoch += 1
+        self.blocks_sent = 0
+        self.reattached = True
+        self.num_blocks_cached = min(self.num_blocks_cached, self.num_computed // block_size)
+        need = blocks_for(self.num_tokens, block_size)
+        extra, self.block_ids = self.block_ids[need:], self.block_ids[:need]
+        return extra
+
     def offered(self, num_blocks: int) -> None:
         """Its first ``num_blocks`` blocks are in the prefix cache's index now."""
         self.num_blocks_cached = num_blocks
@@ -244,6 +262,7 @@ class Request:
         """Its blocks and slot went back to the ledgers: nothing held, nothing computed."""
         self.block_ids, self.blocks_sent, self.slot = [], 0, None
         self.num_computed = self.num_blocks_cached = self.num_draft = 0
+        self.reattached = False
 
     def requeue(self) -> None:
         """Preempted (after ``release``): waiting again, its tokens kept. A token sampled by a

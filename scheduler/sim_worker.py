@@ -14,6 +14,8 @@ import zlib
 from array import array
 from dataclasses import dataclass, field
 
+import msgspec
+
 from protocol.messages import (
     PENDING_TOKEN,
     PROTOCOL_VERSION,
@@ -62,6 +64,35 @@ class SimWorker:
         self._kv = [array("q", [-1] * block_size) for _ in range(num_blocks)]
         self._rows = [_Row() for _ in range(num_slots)]
 
+    def successor(self) -> SimWorker:
+        """A new worker on this one's pool, as after a SIGKILL with the pool holder alive: the
+        same K/V blocks (whatever the lost steps wrote in them), the next generation, no rows."""
+        ready = self._ready
+        new = SimWorker(
+            ready.num_blocks,
+            ready.block_size,
+            ready.num_slots,
+            ready.max_model_len,
+            ready.vocab_size,
+            tuple(ready.eos_token_ids),
+        )
+        pool_id = ready.pool_id or "sim-pool"
+        generation = ready.pool_generation + 1 if ready.pool_id else 2
+        new._ready = msgspec.structs.replace(
+            new._ready, pool_id=pool_id, pool_generation=generation
+        )
+        new._kv = self._kv
+        return new
+
+    def shared(self) -> SimWorker:
+        """This worker as the first to attach to a shared pool (generation 1)."""
+        self._ready = msgspec.structs.replace(self._ready, pool_id="sim-pool", pool_generation=1)
+        return self
+
+    def corrupt(self, block: int, offset: int = 0) -> None:
+        """Flip one position of a block's simulated K/V (a fault injector's bit flip)."""
+        self._kv[block][offset] ^= 1 << 20
+
     def ready(self) -> WorkerReady:
         """The cache geometry."""
         return self._ready
@@ -89,7 +120,9 @@ class SimWorker:
                 raise ValueError(f"slot {rewind.slot}: a rewind past the row's end")
             del row.block_ids[rewind.num_blocks :]
             row.num_cached, row.last_sampled = rewind.num_cached, None
+        sums = [(block, self.checksum(block)) for block in step.verify_blocks]
         samples = []
+        size = len(self._kv[0])
         for item in step.items:
             token = self._run_item(item)
             if token is not None:
@@ -100,10 +133,20 @@ class SimWorker:
                 ]
                 sample = Sample(request_id=item.request_id, token_id=token, draft_samples=drafts)
                 samples.append(sample)
+            table, end = self._rows[item.slot].block_ids, item.start + len(item.token_ids)
+            sums += [(b, self.checksum(b)) for b in table[item.start // size : end // size]]
         rows = self.rows() if step.audit else None
         return StepResult(
-            step_id=step.step_id, samples=samples, rows=rows, forward_s=time.perf_counter() - began
+            step_id=step.step_id,
+            samples=samples,
+            rows=rows,
+            forward_s=time.perf_counter() - began,
+            block_sums=sums,
         )
+
+    def checksum(self, block: int) -> int:
+        """CRC-32 of a block's simulated K/V, as the real worker sums its blocks' bytes."""
+        return zlib.crc32(self._kv[block].tobytes())
 
     def _run_item(self, item: StepItem) -> int | None:
         if not 0 <= item.slot < len(self._rows):
@@ -137,7 +180,8 @@ class SimWorker:
         """A fresh row; positions below ``start`` must already be in its first blocks (hits),
         holding exactly the tokens the scheduler says they hold."""
         size = len(self._kv[0])
-        if item.start % size or item.start > len(item.new_blocks) * size:
+        aligned = not item.start % size or (item.attached and self._ready.pool_generation > 1)
+        if not aligned or item.start > len(item.new_blocks) * size:
             raise ValueError(f"slot {item.slot}: a fresh row cannot start at {item.start}")
         if list(item.cached_token_ids) != [
             self._kv[item.new_blocks[p // size]][p % size] for p in range(item.start)

@@ -57,6 +57,10 @@ class SoakReport:
     drafts: int = 0  # verifications of draft tokens (speculative decoding)
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    kills: int = 0  # worker deaths injected (``soak(kills=...)``)
+    reattaches: int = 0  # of those, taken over by the next worker without recompute
+    kill_recomputed: int = 0  # tokens computed again because of the kills
+    kill_in_flight: int = 0  # tokens of the steps in flight at the kills: the bound on that
 
     @property
     def text_digest(self) -> str:
@@ -78,6 +82,8 @@ class SoakReport:
                 f"prefix cache hits   {self.prefix_hits} of {self.prefix_queries} tokens admitted",
                 f"draft tokens        {self.accepted_tokens} of {self.draft_tokens} accepted "
                 f"in {self.drafts} verifications",
+                f"worker kills        {self.kills} ({self.reattaches} re-attached): "
+                f"{self.kill_recomputed} tokens recomputed, {self.kill_in_flight} in flight",
                 f"text digest         {self.text_digest}",
                 "every block back, every slot back, every row empty",
             ]
@@ -102,9 +108,19 @@ def soak(
     prompts: list[list[int]],
     params: SamplingParams,
     allocator: BlockAllocator | None = None,
+    kills: int = 0,
+    seed: int = 0,
 ) -> SoakReport:
-    """Drain ``prompts`` through the worker with the audit on between every iteration."""
+    """Drain ``prompts`` through the worker with the audit on between every iteration.
+
+    ``kills``: the worker dies that many times, at iterations drawn with ``seed``, each time
+    after running, half the times, the oldest step in flight without answering it (K/V written
+    that no result acknowledged); its ``successor()`` on the same pool takes over
+    (``SimWorker``)."""
     engine = Engine.for_worker(worker, replace(config, audit=True), allocator=allocator)
+    rng = random.Random(seed)
+    kill_at = set(rng.sample(range(1, 4 * len(prompts) + 1), kills)) if kills else set()
+    in_flight = 0
     ids = [f"soak-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts, strict=True):
         engine.add_request(request_id, prompt, params)
@@ -113,16 +129,19 @@ def soak(
     iteration = 0
     while engine.has_unfinished():
         iteration += 1
-        before = (sched.num_preemptions_total, sched.tokens_scheduled)
+        if iteration in kill_at:
+            in_flight += _kill(engine, rng)
+            sched = engine.scheduler
+        before = (sched.num_preemptions_total, sched.tokens_scheduled, engine.checks)
         try:
             outputs = engine.step()
         except InvariantViolation as exc:
             raise InvariantViolation(f"at iteration {iteration}: {exc}") from exc
-        stalled = before == (sched.num_preemptions_total, sched.tokens_scheduled)
+        stalled = before == (sched.num_preemptions_total, sched.tokens_scheduled, engine.checks)
         if not outputs and stalled and not engine.num_in_flight:
             if engine.has_unfinished():
                 raise LivelockError(f"at iteration {iteration}: {engine.describe_stall()}")
-    _check_everything_back(engine, worker, iteration)
+    _check_everything_back(engine, engine.worker, iteration)
     per_request = {rid: r.num_preemptions for rid, r in requests.items()}
     return SoakReport(
         iterations=iteration,
@@ -137,7 +156,28 @@ def soak(
         drafts=sched.speculation.drafts_total,
         draft_tokens=sched.speculation.draft_tokens_total,
         accepted_tokens=sched.speculation.accepted_total,
+        kills=len(kill_at & set(range(1, iteration + 1))),
+        reattaches=engine.restarts.reattaches,
+        kill_recomputed=engine.restarts.tokens_recomputed,
+        kill_in_flight=in_flight,
     )
+
+
+def _kill(engine: Engine, rng: random.Random) -> int:
+    """Kill the engine's worker mid-run and start its successor on the same pool; returns the
+    tokens of the steps that were in flight."""
+    worker = engine.worker
+    while engine.can_plan() and engine.plan() is not None:
+        pass  # it dies with as many steps in flight as it may have
+    in_flight = sum(len(item.token_ids) for step in engine.in_flight for item in step.items)
+    if engine.in_flight and rng.random() < 0.5:
+        worker.execute(engine.in_flight[0])  # it wrote this step's K/V, then died unanswered
+    engine.worker_lost(keep=True)
+    engine.worker = worker.successor()
+    ended = engine.fit(engine.worker.ready())
+    if ended:
+        raise InvariantViolation(f"a re-attach ended {len(ended)} requests")
+    return in_flight
 
 
 def _check_everything_back(engine: Engine, worker: WorkerLike, iteration: int) -> None:

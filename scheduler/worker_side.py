@@ -32,6 +32,7 @@ from protocol.messages import (
 from scheduler.audit_log import AuditLog
 from scheduler.engine import Engine
 from scheduler.peers import WorkerPeer
+from scheduler.restarts import Stalls
 from scheduler.sizing import geometry
 
 log = logging.getLogger("nanoserve.scheduler")
@@ -64,6 +65,7 @@ class WorkerSide:
         self.audits = AuditLog()
         self._hellos: dict[bytes, float] = {}  # unknown worker peer -> when we last greeted it
         self._nothing_to_plan = False  # the last plan() found nothing: wait for an event
+        self.stalls = Stalls()
 
     # -- what the frontends are told --------------------------------------------------------
 
@@ -112,6 +114,9 @@ class WorkerSide:
             scheduler_cpu_s_total=time.process_time(),
             bad_messages_total=self.bad_messages,
             workers_lost_total=self.workers_lost,
+            worker_death_to_token_s_sum=self.stalls.total_s,
+            worker_death_to_token_s_count=self.stalls.count,
+            worker_death_to_token_s_last_max=self.stalls.last_max_s,
         )
 
     # -- messages ------------------------------------------------------------------------------
@@ -178,12 +183,34 @@ class WorkerSide:
                 PROTOCOL_VERSION,
             )
             return None
+        if self.worker is not None and peer != self.worker.peer and ready.pool_generation > 1:
+            # It took the pool over: the holder granted it only once the last worker was gone,
+            # which our socket monitor may not have reported yet (a standby is that quick).
+            self.lost("a new worker took its pool over")  # frontends hear with the ready
         engine, before = self._engine, self._engine.ready_info
+        restarts = engine.restarts
+        reattaches, fallbacks = restarts.reattaches, sum(restarts.fallbacks.values())
         try:
             outputs = engine.fit(ready)
         except ValueError as exc:
             self.bad(f"a worker that does not fit this scheduler: {exc}")
             return None
+        if restarts.reattaches > reattaches:
+            log.info(
+                "the new worker re-attached to pool %s (generation %d): %d running requests "
+                "keep their K/V, %d tokens of the lost steps are computed again",
+                ready.pool_id,
+                ready.pool_generation,
+                len(engine.scheduler.running),
+                restarts.tokens_recomputed_last,
+            )
+        elif sum(restarts.fallbacks.values()) > fallbacks:
+            log.warning(
+                "the new worker did not re-attach to the lost worker's pool (%s): "
+                "%d tokens are recomputed",
+                restarts.last_reason,
+                restarts.tokens_recomputed_last,
+            )
         if before is not None and geometry(before) != geometry(ready):
             log.error(
                 "the new worker's cache geometry differs (%s): %d requests end",
@@ -231,6 +258,8 @@ class WorkerSide:
             engine.worker_lost()  # the steps in flight too: their results come stale
             return None
         outputs = engine.apply(result)
+        if self.stalls.waiting:
+            self.stalls.tokens(outputs)
         if engine.config.audit:
             # InvariantViolation ends the process, loudly (the log keeps it for the web page)
             self.audits.run(lambda: engine.audit(result.rows))
@@ -277,7 +306,8 @@ class WorkerSide:
             return None
         running = len(self._engine.scheduler.running) if self._engine.fitted else 0
         log.error("worker lost (%s): %d running requests go back to waiting", why, running)
-        self._engine.worker_lost()
+        self.stalls.lost(self._engine.scheduler.running if self._engine.fitted else [])
+        self._engine.worker_lost(keep=True)  # its pool may outlive it (a shared one)
         self.worker = None
         self.workers_lost += 1
         self.lost_since = time.monotonic()

@@ -53,18 +53,22 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, role: str, *extra: str, supervised: bool = False) -> subprocess.Popen:
+    def start(
+        self, role: str, *extra: str, supervised: bool = False, name: str | None = None
+    ) -> subprocess.Popen:
         """Start (or restart) one role's process (or ``serve``'s, all three in one tree), its output
-        going to <log_dir>/<role>.log."""
-        log = open(self.log_dir / f"{role}.log", "ab")  # noqa: SIM115 - closed with the process
+        going to <log_dir>/<name>.log (``name``: the role's, unless a second process of one role
+        needs its own, a standby worker say)."""
+        name = name or role
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
         command = [sys.executable, "-m", "nanoserve.cli", role, *extra]
         if supervised:
-            pid_file = str(self.pid_file(role))
+            pid_file = str(self.pid_file(name))
             supervise = ["supervise", "--initial-backoff", "0.2", "--pid-file", pid_file, "--"]
             command = [sys.executable, "-m", "nanoserve.cli", *supervise, *command]
         process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        self.processes[role] = process
+        self.processes[name] = process
         return process
 
     def join(self, log_dir: Path, **options: object) -> Server:
@@ -207,7 +211,7 @@ def start_server(
     try:
         for role in roles:
             server.start(role, supervised=role in supervised)
-        if set(roles) == set(ROLES):
+        if set(ROLES) <= set(roles):
             server.wait_healthy()
     except BaseException:
         server.stop()

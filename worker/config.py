@@ -111,6 +111,20 @@ class WorkerConfig:
             "activations in bigger steps too (llama.cpp's numerics)"
         },
     )
+    shared_kv_pool: bool = field(
+        default=False,
+        metadata={
+            "help": "CPU: map the KV pool from the pool holder (nanoserve kv-holder), so a "
+            "worker's death keeps its K/V and costs only the steps in flight (docs/kv_pool.md)"
+        },
+    )
+    standby_workers: int = field(
+        default=0,
+        metadata={
+            "help": "with --shared-kv-pool: more worker processes, each with the model loaded "
+            "and idle, the first to take the pool over when the active worker dies"
+        },
+    )
     kv_cache_dtype: str = field(
         default="auto",
         metadata={
@@ -154,6 +168,10 @@ class WorkerConfig:
             )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.standby_workers < 0:
+            raise ValueError(f"standby_workers must be >= 0, got {self.standby_workers!r}")
+        if self.standby_workers and not self.shared_kv_pool:
+            raise ValueError("standby workers take over a shared pool: add --shared-kv-pool")
         _positive("block_size", self.block_size)
         _positive("num_slots", self.num_slots)
         for name in ("num_blocks", "kv_cache_memory", "max_model_len", "num_threads"):

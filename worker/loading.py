@@ -7,19 +7,24 @@ the shard's heads and what the file holds in 4 bits (``worker.linear.build.q4_fa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from models.files import ModelFiles, resolve_model
+from protocol.kv_pool import PoolGeometry
 from worker.config import WorkerConfig, resolve_max_model_len
 from worker.kv.cache import KVCache, default_budget
+from worker.kv.shared import Attachment, attach, private
 from worker.linear.build import apply_plan, q4_facts
 from worker.model.llama import LlamaModel, ModelSpec
 from worker.model.loader import load_checkpoint, load_q4
 from worker.parallel.group import Group
 from worker.parallel.sharding import Shard
 from worker.plan import Plan, resolve, resolve_device, resolve_dtype, resolve_threads, wants_4bit
+
+log = logging.getLogger("nanoserve.worker")
 
 
 @dataclass(frozen=True)
@@ -89,9 +94,13 @@ def load(config: WorkerConfig, group: Group, plan: Plan | None, progress: bool) 
     )
 
 
-def make_cache(config: WorkerConfig, loaded: Loaded, group: Group) -> KVCache:
+def make_cache(
+    config: WorkerConfig, loaded: Loaded, group: Group, holder: str | None = None
+) -> KVCache:
     """The K/V pool: ``config.num_blocks``, or as many blocks as the budget holds
-    (``--kv-cache-memory``, else the plan's pool's default), the same count on every rank."""
+    (``--kv-cache-memory``, else the plan's pool's default), the same count on every rank.
+    With ``--shared-kv-pool``, the pool holder's at ``holder`` (any size when the count came
+    from a budget), else a private one, and one log line says why."""
     spec, plan = loaded.spec, loaded.plan
     geometry = dict(
         num_layers=spec.num_layers,
@@ -111,4 +120,65 @@ def make_cache(config: WorkerConfig, loaded: Loaded, group: Group) -> KVCache:
             budget, per_block, loaded.max_model_len, config.block_size
         )
     num_blocks = group.min_int(num_blocks)  # one pool: the same block count everywhere
-    return KVCache(num_blocks=num_blocks, device=plan.device, pool=plan.kv_pool, **geometry)
+    attachment = None
+    if config.shared_kv_pool:
+        attachment = _attach(
+            config.standby_workers > 0,
+            holder,
+            plan.kv_pool,
+            group,
+            num_blocks,
+            config.num_blocks is None,
+            **geometry,
+        )
+        if attachment.geometry is not None:
+            num_blocks = attachment.geometry.num_blocks
+            log.info(
+                "KV pool: shared pool %s, generation %d (%s)",
+                attachment.pool_id,
+                attachment.generation,
+                attachment.geometry.describe(),
+            )
+        else:
+            log.warning(
+                "KV pool: private, not shared (%s): %s", attachment.fallback, attachment.reason
+            )
+    return KVCache(
+        num_blocks=num_blocks,
+        device=plan.device,
+        pool=plan.kv_pool,
+        attachment=attachment,
+        **geometry,
+    )
+
+
+def _attach(
+    standby: bool,
+    holder: str | None,
+    pool: str,
+    group: Group,
+    num_blocks: int,
+    any_size: bool,
+    *,
+    num_layers: int,
+    block_size: int,
+    n_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> Attachment:
+    """The pool holder's pool for this geometry, or why the pool stays private."""
+    if pool != "host":
+        return private("device", "a device pool is not shared (the CUDA holder is not built)")
+    if group.size > 1:
+        return private("tensor_parallel", "tensor-parallel ranks keep private pools")
+    if holder is None:
+        return private("no_holder", "no pool holder address")
+    geometry = PoolGeometry(
+        num_layers=num_layers,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=str(dtype).removeprefix("torch."),
+        num_blocks=num_blocks,
+    )
+    return attach(holder, geometry, any_size, standby=standby)

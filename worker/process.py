@@ -58,7 +58,7 @@ def run_worker(
     from worker.parallel.group import SOLO
     from worker.worker import Worker  # torch loads here, not at import time of this module
 
-    worker = Worker(config, group=group or SOLO, background_compile=True)
+    worker = Worker(config, group=group or SOLO, background_compile=True, holder=addresses.holder)
     ready = worker.ready()
     _log_ready(worker, ready)
     context = zmq.Context()

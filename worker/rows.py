@@ -47,12 +47,22 @@ class RowTable:
     """Per-slot rows; ``check`` raises ValueError naming the slot and numbers on a violation."""
 
     def __init__(
-        self, *, num_slots: int, num_blocks: int, block_size: int, max_model_len: int, seed: int
+        self,
+        *,
+        num_slots: int,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        seed: int,
+        attached: bool = False,
     ) -> None:
         self.rows = [Row() for _ in range(num_slots)]
         # Blocks some step of this worker has written: a prefix-cache hit may only name these
         # (K/V in a block this process never wrote is zeros, whatever the scheduler believes).
-        self.written: set[int] = set()
+        # On a shared pool an earlier worker wrote (``attached``), any block may hold K/V: the
+        # scheduler, which kept the ledger across the restart, is trusted for all of them.
+        self.written: set[int] = set(range(num_blocks)) if attached else set()
+        self.attached = attached
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -166,7 +176,12 @@ class RowTable:
     def _check_fresh(self, item: StepItem, where: str) -> None:
         if item.params is None or item.prompt_len < 1:
             raise ValueError(f"{where}: a fresh row needs params and prompt_len >= 1")
-        if item.start % self.block_size or len(item.cached_token_ids) != item.start:
+        if item.attached and not self.attached:
+            raise ValueError(f"{where}: a re-attached row, but this worker's pool is new")
+        if item.attached:
+            if len(item.cached_token_ids) != item.start:
+                raise ValueError(f"{where}: a re-attached row needs its {item.start} tokens")
+        elif item.start % self.block_size or len(item.cached_token_ids) != item.start:
             raise ValueError(
                 f"{where}: a fresh row starts after whole cached blocks, with their tokens "
                 f"(start {item.start}, {len(item.cached_token_ids)} cached tokens)"
@@ -221,6 +236,11 @@ class RowTable:
 
 
 def written_blocks(item: StepItem, block_size: int) -> list[int]:
-    """The blocks an item joins to its row that it will write: a fresh row's leading blocks are
-    prefix-cache hits, shared, and never written."""
-    return item.new_blocks[item.start // block_size :] if item.fresh else item.new_blocks
+    """The blocks an item joins to its row that it will write and that hold nothing yet: a
+    fresh row's leading blocks are prefix-cache hits, shared, and never written; a re-attached
+    row's blocks up to ``start`` hold K/V (its partial last block: only its tail is zeroed)."""
+    if not item.fresh:
+        return item.new_blocks
+    if item.attached:
+        return item.new_blocks[-(-item.start // block_size) :]
+    return item.new_blocks[item.start // block_size :]

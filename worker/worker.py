@@ -53,11 +53,13 @@ class Worker:
         group: Group = SOLO,
         background_compile: bool = False,
         plan: Plan | None = None,
+        holder: str | None = None,
     ) -> None:
         """Load the model and size the cache, running as the worker's plan says (``plan``, or
         the one resolved for this machine: ``worker.plan``). Compiled decode steps (the plan's
         ``compile``) are built here, or, with ``background_compile``, beside the steps: the
-        worker runs eagerly until they are ready (``worker.compiled.background``)."""
+        worker runs eagerly until they are ready (``worker.compiled.background``). ``holder``:
+        the pool holder's address, asked for the pool with ``--shared-kv-pool``."""
         bound_onednn_cache()
         self.config, self.group = config, group
         loaded = load(config, group, plan, progress)
@@ -73,13 +75,14 @@ class Worker:
         torch.set_num_threads(self.num_threads)
         self.threads = ThreadGovernor(self.num_threads if self.plan.adapt_threads else 1)
         self.ops = ModelOps.for_plan(self.plan)
-        self.cache = make_cache(config, loaded, group)
+        self.cache = make_cache(config, loaded, group, holder)
         self.row_table = RowTable(
             num_slots=config.num_slots,
             num_blocks=self.cache.num_blocks,
             block_size=config.block_size,
             max_model_len=self.max_model_len,
             seed=config.seed,
+            attached=self.cache.attachment.reused,
         )
         self.attention = make_backend(
             self.plan,
@@ -140,6 +143,9 @@ class Worker:
             dtype=self.plan.dtype,
             tensor_parallel_size=self.group.size,
             plan=self.plan.summary(),
+            pool_id=self.cache.attachment.pool_id,
+            pool_generation=self.cache.attachment.generation,
+            pool_fallback=self.cache.attachment.fallback,
         )
 
     def execute(self, step: StepInput) -> StepResult:
@@ -172,11 +178,15 @@ class Worker:
                 self.settle()  # the leader names every pending token to the other ranks
                 step = tp_steps.lead(self.group, step, self.row_table)
             self.row_table.check(step, self.spec.vocab_size)
+            verified = [(b, self.cache.checksum(b)) for b in step.verify_blocks if self._known(b)]
             self.row_table.release(step.released_slots)
             self.row_table.rewind(step.rewinds)
             applied = [self.row_table.apply(item) for item in step.items]
             bs = self.config.block_size
             self.cache.zero_blocks([b for item in step.items for b in written_blocks(item, bs)])
+            for item in step.items:
+                if item.attached and item.start % bs:  # its last block's head holds K/V
+                    self.cache.zero_tail(item.new_blocks[item.start // bs], item.start % bs)
             pairs = zip(step.items, applied, strict=True)
             sampled = [(item, row) for item, (row, _) in pairs if item.sample]
             if not self.group.leader:  # a rank other than the leader only computes its share
@@ -200,6 +210,9 @@ class Worker:
             with torch.inference_mode():  # everything: compiled graphs guard on it
                 launched = self.runner.queue(step, applied, sampled, start_masks, early, audit)
             launched.launch_s = time.perf_counter() - began
+            launched.verified = verified
+            if self.cache.attachment.mapping is not None:  # a shared pool: sum what fills
+                launched.filled = filled_blocks(step, applied, self.config.block_size)
             self._in_flight.append(launched)
             return launched
         finally:
@@ -218,6 +231,7 @@ class Worker:
             self._in_step = False
             self._step_ended = time.monotonic()
         masks = launched.masks
+        sums = launched.verified + [(b, self.cache.checksum(b)) for b in launched.filled]
         result = StepResult(
             step_id=launched.step.step_id,
             samples=samples,
@@ -229,9 +243,13 @@ class Worker:
             grammar_compiles=masks.compiles if masks else 0,
             decode_path=self.decode_path,
             num_threads=torch.get_num_threads(),
+            block_sums=sums,
         )
         self.threads.after_step(result.forward_s)  # the next step may run on another count
         return result
+
+    def _known(self, block: int) -> bool:
+        return 0 <= block < self.cache.num_blocks
 
     def settle(self) -> None:
         """Wait for every launched step's sampled ids and write them into the rows (their
@@ -274,3 +292,13 @@ class Worker:
     def rows(self) -> list[RowSummary]:
         """Every slot's row as it stands now."""
         return self.row_table.summaries()
+
+
+def filled_blocks(step: StepInput, applied: list, block_size: int) -> list[int]:
+    """The blocks each item of ``step`` fills (its tokens reach their last position)."""
+    filled = []
+    for item, (row, _) in zip(step.items, applied, strict=True):
+        end = item.start + len(item.token_ids)
+        for index in range(item.start // block_size, end // block_size):
+            filled.append(row.block_table[index])
+    return filled

@@ -1,7 +1,8 @@
 """``nanoserve serve``: start the scheduler, the worker and the frontend, for users without honcho.
 
 The three processes are the same commands the Procfile runs: the scheduler and the worker under
-``nanoserve supervise``, which restarts them when they die. Options reach them as NANOSERVE_*
+``nanoserve supervise``, which restarts them when they die (with ``--shared-kv-pool``, a fourth:
+the KV pool holder, supervised too). Options reach them as NANOSERVE_*
 environment variables (exactly as honcho passes .env), so every process sees one configuration.
 SIGINT or SIGTERM stops the frontend first (it drains), then the others, and serve exits 0. If
 the frontend or a supervisor exits unexpectedly the others are stopped and serve exits 1.
@@ -18,7 +19,7 @@ import time
 from nanoserve.options import add_options, child_environment, config_from, options_for
 
 ROLES = ("scheduler", "worker", "frontend")
-SUPERVISED = ("scheduler", "worker")
+SUPERVISED = ("kv-holder", "scheduler", "worker")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -70,8 +71,12 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    for role in ROLES:
+    # With --shared-kv-pool, the pool holder first: the worker asks it for the pool.
+    roles = ("kv-holder", *ROLES) if args.shared_kv_pool else ROLES
+    for role in roles:
         children[role] = subprocess.Popen(role_command(role), env=environment)
+    for index in range(args.standby_workers):  # each waits to take the pool over
+        children[f"standby-{index}"] = subprocess.Popen(role_command("worker"), env=environment)
     try:
         while not stopping:
             for role, child in children.items():
@@ -88,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
 def stop_all(children: dict[str, subprocess.Popen], timeout: float = 30.0) -> None:
     """SIGTERM the frontend first so it can drain, then the rest; SIGKILL what lingers."""
-    for role in ("frontend", "scheduler", "worker"):
+    standbys = [role for role in children if role.startswith("standby-")]
+    for role in ("frontend", "scheduler", "worker", *standbys, "kv-holder"):
         child = children.get(role)
         if child is None or child.poll() is not None:
             continue

@@ -6,7 +6,9 @@ from frontend.metrics import COUNTED, MIRRORED, Metrics
 from protocol.messages import EngineStats
 
 # cache usage; counters; the decode path's Enum
-DERIVED = {"kv_blocks_total", "worker_decode_path"} | {field for _, _, field in COUNTED}
+DERIVED = {"kv_blocks_total", "worker_decode_path", "kv_pool_fallbacks"} | {
+    field for _, _, field in COUNTED
+}
 
 
 def test_every_engine_stat_is_mirrored_or_derived_once() -> None:
@@ -17,8 +19,13 @@ def test_every_engine_stat_is_mirrored_or_derived_once() -> None:
 
 
 def test_observe_stats_sets_each_series_from_its_field() -> None:
-    fields = [f for f in EngineStats.__struct_fields__ if f != "worker_ready"]
-    stats = EngineStats(**{f: 10 + i for i, f in enumerate(fields)}, worker_ready=True)
+    fields = [
+        f for f in EngineStats.__struct_fields__ if f not in ("worker_ready", "kv_pool_fallbacks")
+    ]
+    fallbacks = {"new_pool": 2, "geometry": 1}
+    stats = EngineStats(
+        **{f: 10 + i for i, f in enumerate(fields)}, worker_ready=True, kv_pool_fallbacks=fallbacks
+    )
     metrics = Metrics()
     metrics.observe_stats(stats)
     metrics.observe_stats(stats)  # a running total is not counted twice
@@ -33,6 +40,8 @@ def test_observe_stats_sets_each_series_from_its_field() -> None:
     assert samples["nanoserve:kv_cache_usage_perc"] == used / total
     for name, _, field in COUNTED:
         assert samples[f"{name}_total"] == float(getattr(stats, field)), name
+    for reason, count in fallbacks.items():
+        assert samples[f'nanoserve:kv_pool_fallbacks_total{{reason="{reason}"}}'] == count
 
 
 def test_counters_never_fall_when_the_scheduler_restarts() -> None:

@@ -85,9 +85,9 @@ def test_the_audit_sees_the_rows_as_the_step_in_flight_leaves_them() -> None:
     engine.step()  # step 0 ran; step 1 is in flight
     rows = engine.worker.rows()
     engine.audit(rows)  # the ledgers are one step ahead of these rows, and that is fine
-    batch, step = engine._in_flight[0]
+    batch, step, written = engine._in_flight[0]
     dropped = StepInput(step_id=step.step_id, items=[], released_slots=step.released_slots)
-    engine._in_flight[0] = (batch, dropped)  # corrupt one thing: the step in flight
+    engine._in_flight[0] = (batch, dropped, written)  # corrupt one thing: the step in flight
     with pytest.raises(
         InvariantViolation,
         match="row of slot 0 holds K/V for 5 tokens but request a has computed 6",

@@ -15,13 +15,16 @@ layer would be a fresh mmap, and its page faults cost more than the copy itself.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
 import torch
 
 from protocol.blocks import blocks_for
+from protocol.kv_pool import HEADER_BYTES
 from worker.cpu.machine import available_ram
 from worker.kv.host_pool import HostPool
+from worker.kv.shared import Attachment
 
 _HOST_BUDGET_CAP = 4 << 30
 
@@ -50,7 +53,11 @@ class KVCache:
         dtype: torch.dtype,
         device: str,
         pool: str = "host",
+        attachment: Attachment | None = None,
     ) -> None:
+        """``attachment``: where a host pool lives; its ``mapping`` (the pool holder's shared
+        file, ``worker.kv.shared``) or, without one, a private mapping of this process."""
+        self.attachment = attachment or Attachment()
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -61,7 +68,9 @@ class KVCache:
         # (worker.kv.host_pool); "device", zeroed now.
         self.host: HostPool | None = None
         if pool == "host":
-            self.host = HostPool(shape, block_axis=3, dtype=dtype)
+            mapping = self.attachment.mapping
+            offset = HEADER_BYTES if mapping is not None else 0
+            self.host = HostPool(shape, block_axis=3, dtype=dtype, mapping=mapping, offset=offset)
             self.pool = self.host.tensor
         elif pool == "device":
             self.pool = torch.zeros(shape, dtype=dtype, device=device)
@@ -92,6 +101,17 @@ class KVCache:
             if i == len(ids) or ids[i] != ids[i - 1] + 1:
                 self.pool[:, :, :, ids[first] : ids[i - 1] + 1].zero_()
                 first = i
+
+    def zero_tail(self, block: int, offset: int) -> None:
+        """Zero positions ``[offset, block_size)`` of a block whose head holds K/V a worker
+        before this one wrote (a re-attached row's last, partial block)."""
+        self.pool[:, :, :, block, offset:].zero_()
+
+    def checksum(self, block: int) -> int:
+        """CRC-32 of a block's K/V bytes, every layer, K then V (what the scheduler records
+        and checks after a re-attach: docs/kv_pool.md)."""
+        data = self.pool[:, :, :, block].contiguous().view(torch.uint8)  # (L, 2, H, bs, hd * e)
+        return zlib.crc32(data.cpu().numpy())
 
     def layers(self) -> torch.Tensor:
         """Every layer's K and V, (num_layers, 2, n_kv_heads, (num_blocks + 1) * block_size,

@@ -44,13 +44,26 @@ class HostPool:
     populating, where ``slices`` is every dimension before the block axis. ``resident`` is set
     once ``populate`` has backed every page (or found the kernel cannot be asked to)."""
 
-    def __init__(self, shape: tuple[int, ...], block_axis: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        block_axis: int,
+        dtype: torch.dtype,
+        mapping: mmap.mmap | None = None,
+        offset: int = 0,
+    ) -> None:
+        """A fresh private mapping, or the pool's bytes at ``offset`` (page-aligned) of
+        ``mapping``, a shared one (``worker.kv.shared``)."""
         element = torch.empty((), dtype=dtype).element_size()
         numel = 1
         for size in shape:
             numel *= size
-        self._map = mmap.mmap(-1, numel * element, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.tensor = torch.frombuffer(self._map, dtype=dtype).view(shape)
+        if mapping is None:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            mapping = mmap.mmap(-1, numel * element, flags=flags)
+        self._map, self._offset = mapping, offset
+        tensor = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset)
+        self.tensor = tensor.view(shape)
         slices = 1
         for size in shape[:block_axis]:
             slices *= size
@@ -77,7 +90,7 @@ class HostPool:
         if after is not None:
             after()
         slices, blocks, block_bytes = self._geometry
-        base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self._map)) + self._offset
         began = time.perf_counter()
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)

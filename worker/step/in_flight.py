@@ -39,6 +39,8 @@ class Launched:
     logits: torch.Tensor | None = None  # (S, vocab) float32 on the device
     launch_s: float = 0.0  # the host's seconds launching it
     wait_s: float = 0.0  # the host's seconds waiting for it
+    filled: list[int] = field(default_factory=list)  # blocks it fills: summed once it is done
+    verified: list[tuple[int, int]] = field(default_factory=list)  # its verify_blocks' sums
     _tokens: list[int] | None = field(default=None, repr=False)
 
     def done(self) -> bool:

@@ -1,0 +1,129 @@
+"""The pool holder's process: answer workers' ``AttachPool`` with the one shared pool.
+
+It binds a ROUTER at the run's holder endpoint and owns at most one ``PoolFile``. A worker's
+first request creates it with the worker's geometry; later ones get the same pool, its
+generation bumped, when their geometry is the same (any block count, if theirs came from a
+budget). It refuses, and says why, when the geometry differs, or while the worker that attached
+last still maps the pool (two workers must never write one pool). SIGTERM or SIGINT removes the file
+and exits 0; a SIGKILLed holder's file is removed by the next holder of the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+import zmq
+
+from holder.pool_file import PoolFile, remove_stale
+from protocol.channel import BadMessage, Channel
+from protocol.kv_pool import PROTOCOL_VERSION, AttachPool, PoolGranted, ToHolder
+
+log = logging.getLogger("nanoserve.holder")
+
+
+def maps(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` still maps ``path``. A SIGKILLed process stops mapping anything
+    as its exit detaches its memory, before the kernel tears that memory down (seconds, for a
+    worker's gigabytes) and long before its parent reaps it: from then on it cannot write."""
+    try:
+        return str(path) in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False  # no such process (or not ours to read: then it is not a worker of ours)
+
+
+class Holder:
+    """The one pool and who attached to it last."""
+
+    def __init__(self, run_id: str, directory: Path | None = None) -> None:
+        self.run_id = run_id
+        self.directory = directory
+        self.pool: PoolFile | None = None
+        self.attached_pid: int | None = None
+        self._last_refusal: tuple[int, str] | None = None
+
+    def attach(self, request: AttachPool) -> PoolGranted:
+        """Grant the pool to a worker, or say why not."""
+        kind, refuse = self._refusal(request)
+        if refuse:
+            if (request.pid, kind) != self._last_refusal:  # a standby asks 50 times a second
+                log.warning("pool refused to worker pid %d: %s", request.pid, refuse)
+                self._last_refusal = (request.pid, kind)
+            return PoolGranted(protocol_version=PROTOCOL_VERSION, reason=refuse, refusal=kind)
+        if self.pool is None:
+            self.pool = PoolFile(self.run_id, request.geometry, self.directory)
+            log.info("pool %s created: %s", self.pool.pool_id, request.geometry.describe())
+        pool = self.pool
+        generation = pool.attach()
+        self.attached_pid = request.pid
+        log.info(
+            "worker pid %d attached to pool %s, generation %d",
+            request.pid,
+            pool.pool_id,
+            generation,
+        )
+        return PoolGranted(
+            protocol_version=PROTOCOL_VERSION,
+            path=str(pool.path),
+            pool_id=pool.pool_id,
+            generation=generation,
+            geometry=pool.geometry,
+        )
+
+    def _refusal(self, request: AttachPool) -> tuple[str, str]:
+        """(kind, why) the pool is not granted; ("", "") when it is."""
+        if request.protocol_version != PROTOCOL_VERSION:
+            why = f"protocol {request.protocol_version}, the holder's {PROTOCOL_VERSION}"
+            return "protocol", why
+        pool, previous = self.pool, self.attached_pid
+        if pool is None:
+            return "", ""
+        if previous is not None and previous != request.pid and maps(previous, pool.path):
+            return "in_use", f"worker pid {previous} still maps the pool"
+        have, want = pool.geometry, request.geometry
+        if have.layout() != want.layout() or (
+            have.num_blocks != want.num_blocks and not request.any_size
+        ):
+            return "geometry", f"the pool has {have.describe()}, this worker {want.describe()}"
+        return "", ""
+
+    def close(self) -> None:
+        """Remove the pool's file."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+
+def run_holder(*, address: str, run_id: str, poll_s: float = 0.2) -> int:
+    """Serve ``AttachPool`` at ``address`` until SIGTERM or SIGINT; returns 0."""
+    for path in remove_stale(run_id):
+        log.warning("removed %s, left by a holder that was killed", path)
+    holder = Holder(run_id)
+    stopping: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda number, _frame: stopping.append(number))
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.bind(address)
+    channel: Channel = Channel(socket, ToHolder)
+    log.info("pool holder pid %d at %s", os.getpid(), address)
+    try:
+        while not stopping:
+            if not socket.poll(int(poll_s * 1000)):
+                continue
+            try:
+                peer, message = channel.recv()
+            except BadMessage as exc:
+                log.warning("dropped a bad message: %s", exc)
+                continue
+            match message:
+                case AttachPool():
+                    channel.send(holder.attach(message), peer)
+        return 0
+    finally:
+        holder.close()
+        socket.close(0)
+        context.term()

@@ -1,0 +1,131 @@
+"""The shared KV pool: its file's header, and the messages between a worker and the pool holder.
+
+The pool holder (``holder/``) owns the CPU K/V pool as a file in /dev/shm (mode 0600, in a
+name only this user's processes use), so the pool outlives the worker that computes into it.
+A worker asks the holder for a pool of its geometry (``AttachPool``); the holder answers with
+the file's path, the pool's id and its generation, bumped at every attach (``PoolGranted``),
+or with the reason it will not share one (the worker then allocates a private pool).
+
+The file is a header page, then the pool's bytes. The header says what the bytes are:
+``MAGIC``, the geometry, the pool id and the generation. The worker checks it against the
+grant before it trusts a byte, so a file replaced or resized behind its back is refused.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+
+from protocol.messages import PROTOCOL_VERSION, Message
+
+MAGIC = b"NSKVPOOL"
+HEADER_BYTES = 4096  # one page: the pool's bytes start page-aligned
+# magic, layout version, layers, KV heads, head dim, block size, blocks, generation, id, dtype
+_HEADER = struct.Struct("<8sIIIIIQQ16s16s")
+LAYOUT_VERSION = 1
+
+
+class PoolGeometry(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
+    """What a pool's bytes are: (num_layers, 2, n_kv_heads, num_blocks + 1, block_size,
+    head_dim) elements of ``dtype`` (the block past ``num_blocks`` is the worker's trash)."""
+
+    num_layers: int
+    n_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    num_blocks: int
+
+    def layout(self) -> tuple[int, int, int, int, str]:
+        """Everything but the block count: what a pool of another size still shares."""
+        return (self.num_layers, self.n_kv_heads, self.head_dim, self.block_size, self.dtype)
+
+    def describe(self) -> str:
+        """One line for a log: the geometry's fields."""
+        return (
+            f"{self.num_layers} layers x {self.n_kv_heads} KV heads x {self.head_dim}, "
+            f"{self.num_blocks} blocks of {self.block_size}, {self.dtype}"
+        )
+
+
+class AttachPool(Message):
+    """A worker asks for the shared pool. ``any_size``: its block count came from a memory
+    budget, not from the user, so a pool of the same layout and another size will do."""
+
+    protocol_version: int
+    geometry: PoolGeometry
+    pid: int
+    any_size: bool = False
+
+
+class PoolGranted(Message):
+    """The holder's answer: ``path`` to map (empty: refused, and ``reason`` says why), the
+    pool's id (new with every file the holder creates), its generation after this attach and
+    its geometry (the block count may differ from the one asked with ``any_size``)."""
+
+    protocol_version: int
+    path: str = ""
+    pool_id: str = ""
+    generation: int = 0
+    geometry: PoolGeometry | None = None
+    reason: str = ""
+    refusal: str = ""  # the reason's kind, a metric label: "geometry", "in_use", "protocol"
+
+
+ToHolder = AttachPool
+FromHolder = PoolGranted
+
+
+def element_size(dtype: str) -> int:
+    """Bytes of one element of a K/V dtype, by name."""
+    sizes = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+    if dtype not in sizes:
+        raise ValueError(f"no K/V dtype {dtype!r}")
+    return sizes[dtype]
+
+
+def pool_bytes(geometry: PoolGeometry) -> int:
+    """The pool's bytes after the header (the trash block included)."""
+    g = geometry
+    blocks = g.num_blocks + 1
+    return (
+        g.num_layers * 2 * g.n_kv_heads * blocks * g.block_size * g.head_dim * element_size(g.dtype)
+    )
+
+
+def pack_header(geometry: PoolGeometry, pool_id: str, generation: int) -> bytes:
+    """The header page's first bytes for this pool."""
+    g = geometry
+    return _HEADER.pack(
+        MAGIC,
+        LAYOUT_VERSION,
+        g.num_layers,
+        g.n_kv_heads,
+        g.head_dim,
+        g.block_size,
+        g.num_blocks,
+        generation,
+        pool_id.encode()[:16],
+        g.dtype.encode()[:16],
+    )
+
+
+def unpack_header(data: bytes) -> tuple[PoolGeometry, str, int]:
+    """(geometry, pool id, generation) from a header; ValueError if it is not one."""
+    fields = _HEADER.unpack_from(data)
+    magic, version, layers, heads, head_dim, block_size, blocks, generation, pid, dtype = fields
+    if magic != MAGIC or version != LAYOUT_VERSION:
+        raise ValueError(f"not a nanoserve KV pool (magic {magic!r}, layout {version})")
+    geometry = PoolGeometry(
+        num_layers=layers,
+        n_kv_heads=heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype.rstrip(b"\0").decode(),
+        num_blocks=blocks,
+    )
+    return geometry, pid.rstrip(b"\0").decode(), generation
+
+
+__all__ = ["PROTOCOL_VERSION", "AttachPool", "PoolGranted", "PoolGeometry"]
