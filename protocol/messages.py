@@ -71,6 +71,10 @@ class StepItem(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=T
     fresh: bool = False
     cached_token_ids: list[int] = []
     num_draft: int = 0
+    # A fresh row re-attached to K/V an earlier worker wrote into the shared pool (see
+    # docs/kv_pool.md): its blocks up to position ``start`` hold that K/V, and ``start`` need
+    # not end a block. An older worker ignores the field and refuses the unaligned start.
+    attached: bool = False
 
 
 class Rewind(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
@@ -80,10 +84,6 @@ class Rewind(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=Tru
     slot: int
     num_blocks: int
     num_cached: int
-    # A fresh row re-attached to K/V an earlier worker wrote into the shared pool (see
-    # docs/kv_pool.md): its blocks up to position ``start`` hold that K/V, and ``start`` need
-    # not end a block. An older worker ignores the field and refuses the unaligned start.
-    attached: bool = False
 
 
 class StepInput(Message):

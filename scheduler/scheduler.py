@@ -363,7 +363,9 @@ class Scheduler:
             epoch = request.epoch
             return ScheduledChunk(request, start, n, True, new_blocks, epoch, drafts=tuple(drafts))
         new_blocks, sample = request.advance(n)
-        return ScheduledChunk(request, start, n, sample, new_blocks, request.epoch, fresh, attached)
+        return ScheduledChunk(
+            request, start, n, sample, new_blocks, request.epoch, fresh, attached=attached
+        )
 
     # -- results ----------------------------------------------------------------------------------
     def is_current(self, chunk: ScheduledChunk) -> bool:
