@@ -12,26 +12,59 @@ Conventions (see ../docs/architecture.md):
   carry ``protocol_version`` as their first field, so a peer on another version can still read
   it and refuse them by name;
 - a step sends what changed (new tokens, new block ids), not whole request state.
+
+The scheduler and worker's messages are here; the frontends' are in ``protocol.frontend_messages``
+and ``Message``, ``Heartbeat`` and the version in ``protocol.base``; this module re-exports them
+all, so every message is imported from here.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from protocol.base import PENDING_TOKEN, PROTOCOL_VERSION, Heartbeat, Message
+from protocol.frontend_messages import (
+    Abort,
+    AddRequest,
+    FrontendHello,
+    FrontendToScheduler,
+    Outputs,
+    RequestOutput,
+    SchedulerInfo,
+    SchedulerToFrontend,
+)
 from protocol.params import SamplingParams
 from protocol.stats import EngineStats
 
-PROTOCOL_VERSION = 7  # 7: draft tokens (StepItem.num_draft); 6: CompileGrammar
-
-PENDING_TOKEN = -1
-"""A token the scheduler has not seen yet: the one the worker sampled for this row in the
-row's previous step. Overlapped scheduling plans step N+1 before step N's samples are back, so
-a decode item of step N+1 names its input token this way and the worker substitutes its own."""
-
-
-class Message(msgspec.Struct, tag=True, array_like=True, gc=False, frozen=True, kw_only=True):
-    """Base of every top-level message. The tag is the class name."""
-
+__all__ = [
+    "PENDING_TOKEN",
+    "PROTOCOL_VERSION",
+    "Abort",
+    "AddRequest",
+    "CompileGrammar",
+    "EngineStats",
+    "FrontendHello",
+    "FrontendToScheduler",
+    "GrammarCompiled",
+    "Heartbeat",
+    "Message",
+    "Outputs",
+    "RequestOutput",
+    "Rewind",
+    "RowSummary",
+    "Sample",
+    "SamplingParams",
+    "SchedulerHello",
+    "SchedulerInfo",
+    "SchedulerToFrontend",
+    "SchedulerToWorker",
+    "Shutdown",
+    "StepInput",
+    "StepItem",
+    "StepResult",
+    "WorkerReady",
+    "WorkerToScheduler",
+]
 
 # ---------------------------------------------------------------------------------------------
 # Scheduler -> worker
@@ -211,19 +244,6 @@ class WorkerReady(Message):
     pool_fallback: str = ""
 
 
-class Heartbeat(Message):
-    """Liveness, sent by every process to its peers at a fixed period while idle or busy.
-
-    ``stats``: the scheduler's gauges, on every beat it sends a frontend (None from any other
-    sender). They ride the beat, not each step's Outputs: /metrics and the web page read them
-    at most one period old, and a step's message stays the tokens alone.
-    """
-
-    sender: str
-    time: float
-    stats: EngineStats | None = None
-
-
 class GrammarCompiled(Message):
     """A ``CompileGrammar`` done: ``key``'s grammar is compiled and cached in the worker.
 
@@ -239,80 +259,3 @@ class GrammarCompiled(Message):
 
 
 WorkerToScheduler = StepResult | WorkerReady | Heartbeat | GrammarCompiled
-
-
-# ---------------------------------------------------------------------------------------------
-# Frontend -> scheduler
-
-
-class FrontendHello(Message):
-    """A frontend introduces itself; the scheduler answers with SchedulerInfo."""
-
-    protocol_version: int
-    frontend_id: str
-
-
-class AddRequest(Message):
-    """A new request, already tokenized and validated by the frontend."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None = None  # requests share cached blocks only with equal salts
-
-
-class Abort(Message):
-    """Drop a request wherever it is; everything it holds returns to the pools."""
-
-    request_id: str
-
-
-FrontendToScheduler = AddRequest | Abort | FrontendHello | Heartbeat
-
-
-# ---------------------------------------------------------------------------------------------
-# Scheduler -> frontend
-
-
-class RequestOutput(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
-    """What one request gained in one step.
-
-    ``new_token_ids`` includes a stop or EOS token when that is what finished the request (as
-    transformers' generate does); the frontend leaves it out of the text. ``finish_reason`` is
-    None while the request runs, then one of "stop", "length", "abort", "error".
-    ``logprobs`` and ``top_logprobs`` run parallel to ``new_token_ids`` when asked for.
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
-
-
-class Outputs(Message):
-    """Every output one step produced for one frontend. ``stats``: the scheduler's gauges when
-    one of the outputs ends its request (else None; they ride the Heartbeat), so a client that
-    reads /metrics right after its reply finds its request's end counted."""
-
-    outputs: list[RequestOutput]
-    stats: EngineStats | None = None
-
-
-class SchedulerInfo(Message):
-    """The scheduler's answer to FrontendHello, and its notice when a worker comes or goes."""
-
-    protocol_version: int
-    worker_ready: bool
-    model_id: str = ""
-    max_model_len: int = 0
-    num_blocks: int = 0
-    block_size: int = 0
-    reason: str = ""  # why no worker is ready (empty while one is)
-    worker_plan: dict[str, str] = {}  # WorkerReady.plan of the ready worker ({} while none is)
-
-
-SchedulerToFrontend = Outputs | SchedulerInfo | Heartbeat

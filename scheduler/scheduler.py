@@ -36,19 +36,22 @@ from __future__ import annotations
 
 from collections import deque
 
-from protocol.messages import Rewind, SamplingParams
+from protocol.messages import Rewind
+from scheduler.arrivals import Arrivals
 from scheduler.batch import Batch, ScheduledChunk
 from scheduler.block_allocator import BlockAllocator
-from scheduler.errors import RequestRejected
+from scheduler.loss import WorkerLoss
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import Request, RequestStatus
+from scheduler.results import Results
 from scheduler.slots import Slots
 from scheduler.speculation import Speculation
 
 
-class Scheduler:
+class Scheduler(Arrivals, Results, WorkerLoss):
     """The block and slot ledgers (``BlockAllocator``, ``Slots``) plus the waiting and running
-    queues."""
+    queues. Requests come and go through ``Arrivals``, results are folded in by ``Results``,
+    and a lost worker is handled by ``WorkerLoss``; one iteration is planned here."""
 
     def __init__(
         self,
@@ -112,72 +115,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
         return bool(self._requests)
-
-    # -- arrivals and departures ----------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-    ) -> Request:
-        """Queue a request, or raise RequestRejected if it could never run to its end."""
-        if request_id in self._requests:
-            raise RequestRejected(f"request id {request_id!r} is already in use")
-        n = len(prompt_token_ids)
-        if n == 0 or params.max_tokens < 1:
-            raise RequestRejected(f"request {request_id!r} needs a prompt and max_tokens >= 1")
-        if n >= self.max_model_len:
-            raise RequestRejected(
-                f"request {request_id!r}: prompt of {n} tokens leaves no room in "
-                f"max_model_len {self.max_model_len}"
-            )
-        request = Request(
-            request_id, list(prompt_token_ids), params, self._next_arrival, cache_salt=cache_salt
-        )
-        # Passing this door is a promise to run the request: alone in an empty pool it fits.
-        need = request.most_blocks(self.allocator.block_size, self.max_model_len)
-        if need > self.allocator.num_blocks:
-            raise RequestRejected(
-                f"request {request_id!r} may need {need} blocks, the whole pool has "
-                f"{self.allocator.num_blocks}"
-            )
-        self._next_arrival += 1
-        self._requests[request_id] = request
-        self.waiting.append(request)
-        return request
-
-    def replace_pool(self, allocator: BlockAllocator, watermark_blocks: int) -> None:
-        """Move to another pool (a new worker brought one of another size) while nothing runs;
-        every waiting request must fit it (abort those that do not first)."""
-        if self.running or any(
-            r.most_blocks(allocator.block_size, self.max_model_len) > allocator.num_blocks
-            for r in self.waiting
-        ):
-            raise RuntimeError("a pool is replaced only while nothing runs, and all waiting fit")
-        self.allocator, self.watermark_blocks = allocator, watermark_blocks
-        events = self.cache.events
-        self.cache = PrefixCache(allocator, self.cache.enabled)
-        self.cache.record(events)
-
-    def abort(self, request_id: str) -> Request | None:
-        """Drop a waiting, running or preempted request; everything it held returns."""
-        request = self._requests.get(request_id)
-        if request is None:
-            return None
-        if request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        else:
-            self.running.remove(request)
-            self._give_back(request)
-        self._forget(request, "abort")
-        return request
-
-    def finish(self, request: Request, reason: str) -> None:
-        """A running request is done: free its blocks and slot."""
-        self.running.remove(request)
-        self._give_back(request)
-        self._forget(request, reason)
 
     # -- one iteration ----------------------------------------------------------------------------
     def schedule(self) -> Batch:
@@ -274,58 +211,6 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.appendleft(victim)
 
-    def preempt_all(self) -> None:
-        """The worker's rows are gone (it died, or refused a step): running requests wait again
-        with their tokens, oldest at the head; the prefix cache empties (its K/V came from lost
-        steps or a gone worker); every slot is released with the next step (a step in flight
-        behind a refused one may be accepted, so no row can be assumed empty)."""
-        while self.running:
-            self._preempt(self.running[-1])
-        self.cache.clear()
-        self.slots.release_all()
-
-    def keep_for_reattach(self, in_flight: list[ScheduledChunk], written: set[int]) -> int:
-        """The worker died; its pool did not (docs/kv_pool.md). ``in_flight``: the chunks of the
-        steps it never answered; ``written``: every block they would write. Requests admitted
-        by those steps are preempted (their admission was never acknowledged); the others roll
-        back to the tokens acknowledged steps computed, keeping their slot and blocks. No hash
-        of a block the lost steps wrote stays in the index (its K/V may be half written).
-        Returns the tokens the lost steps computed that the running requests compute again."""
-        unacked: dict[str, int] = {}
-        admitted = set()
-        for chunk in in_flight:
-            if not self.is_current(chunk):
-                continue  # its request ended or was preempted since: nothing to roll back
-            rid = chunk.request.request_id
-            unacked[rid] = unacked.get(rid, 0) + chunk.num_tokens
-            if chunk.fresh:
-                admitted.add(rid)
-        again, size = 0, self.allocator.block_size
-        for request in reversed(self.running):  # newest first: the oldest ends at the head
-            if request.request_id in admitted:
-                again += unacked[request.request_id]  # its hits are looked up again
-                self._preempt(request)
-        self.cache.forget(written)
-        for request in self.running:
-            n = unacked.get(request.request_id, 0)
-            again += n
-            extra = request.rollback(n, size)
-            self.allocator.free_all(extra[::-1])
-        return again
-
-    def drop_corrupt(self, block: int) -> list[str]:
-        """A block's K/V is not what was written: it leaves the index and every running request
-        holding it is preempted, to be recomputed; so is every request newer than the oldest
-        of them, since nothing may wait that is older than a running request (their cached
-        blocks stay indexed: their readmission finds them). Returns the holders' ids."""
-        holders = [r for r in self.running if block in r.block_ids]
-        self.cache.forget([block])
-        if holders:
-            oldest = self.running.index(holders[0])
-            while len(self.running) > oldest:  # newest first: the oldest ends at the head
-                self._preempt(self.running[-1])
-        return [r.request_id for r in holders]
-
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
         while self.waiting and self.slots.any_free() and budget > 0:
             request = self.waiting[0]
@@ -366,40 +251,6 @@ class Scheduler:
         return ScheduledChunk(
             request, start, n, sample, new_blocks, request.epoch, fresh, attached=attached
         )
-
-    # -- results ----------------------------------------------------------------------------------
-    def is_current(self, chunk: ScheduledChunk) -> bool:
-        """Whether ``chunk``'s request runs as when it was scheduled (its sample counts)."""
-        request = chunk.request
-        return self._requests.get(request.request_id) is request and request.epoch == chunk.epoch
-
-    def on_sampled(self, request: Request, token_id: int) -> str | None:
-        """The oldest pending token of a running request is ``token_id``: why it ends, or None."""
-        request.sampled(token_id)
-        self.cache.offer(request)
-        return request.stop_reason(token_id, self.eos_token_ids, self.max_model_len)
-
-    def on_verified(
-        self, request: Request, drafts: tuple[int, ...], sampled: list[int]
-    ) -> tuple[list[int], str | None]:
-        """A step verified ``request``'s ``drafts`` with the tokens ``sampled`` at each
-        position: the tokens it gains (the accepted drafts, then the token sampled after them),
-        and why it ends, or None. The rejected drafts' blocks go back now, and its cache row is
-        cut back with the next step."""
-        accepted = self.speculation.verify(request, drafts, sampled)
-        request.verified(accepted)
-        gained, reason = [], None
-        for token in (*drafts[:accepted], sampled[accepted]):
-            reason = self.on_sampled(request, token)
-            gained.append(token)
-            if reason is not None:
-                return gained, reason  # the request ends here: finish() frees the rest
-        if accepted < len(drafts):
-            keep = self.allocator.blocks_for_length(request.num_computed)
-            self.allocator.free_all(request.cut_blocks(keep)[::-1])
-            slot, computed = request.slot, request.num_computed
-            self._rewinds[slot] = Rewind(slot=slot, num_blocks=keep, num_cached=computed)
-        return gained, None
 
     # -- helpers ----------------------------------------------------------------------------------
     def _give_back(self, request: Request) -> None:

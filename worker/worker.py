@@ -27,6 +27,7 @@ from worker.config import WorkerConfig
 from worker.cpu.machine import bound_onednn_cache
 from worker.cpu.threads import ThreadGovernor
 from worker.grammar import grammar_masks
+from worker.kv.shared import filled_blocks
 from worker.loading import load, make_cache
 from worker.model.ops import ModelOps
 from worker.parallel import steps as tp_steps
@@ -292,13 +293,3 @@ class Worker:
     def rows(self) -> list[RowSummary]:
         """Every slot's row as it stands now."""
         return self.row_table.summaries()
-
-
-def filled_blocks(step: StepInput, applied: list, block_size: int) -> list[int]:
-    """The blocks each item of ``step`` fills (its tokens reach their last position)."""
-    filled = []
-    for item, (row, _) in zip(step.items, applied, strict=True):
-        end = item.start + len(item.token_ids)
-        for index in range(item.start // block_size, end // block_size):
-            filled.append(row.block_table[index])
-    return filled

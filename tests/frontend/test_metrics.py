@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from frontend.metrics import COUNTED, MIRRORED, Metrics
+from frontend.metric_series import COUNTED, MIRRORED
+from frontend.metrics import Metrics
 from protocol.messages import EngineStats
 
 # cache usage; counters; the decode path's Enum

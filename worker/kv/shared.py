@@ -28,6 +28,7 @@ from protocol.kv_pool import (
     pool_bytes,
     unpack_header,
 )
+from protocol.messages import StepInput
 
 ATTACH_TIMEOUT_S = 2.0
 STANDBY_POLL_S = 0.02  # a standby asks this often: the holder answers from /proc, in microseconds
@@ -138,3 +139,14 @@ def _map(
         mapping.close()
         return private("header", f"{path}'s header {header} is not the grant's")
     return Attachment(mapping=mapping, pool_id=pool_id, generation=generation, geometry=granted)
+
+
+def filled_blocks(step: StepInput, applied: list, block_size: int) -> list[int]:
+    """The blocks each item of ``step`` fills (its tokens reach their last position): those the
+    worker sums on a shared pool."""
+    filled = []
+    for item, (row, _) in zip(step.items, applied, strict=True):
+        end = item.start + len(item.token_ids)
+        for index in range(item.start // block_size, end // block_size):
+            filled.append(row.block_table[index])
+    return filled
