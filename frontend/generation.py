@@ -116,7 +116,8 @@ class Generation:
                 delivery = await self._queue.get()
                 if isinstance(delivery, SchedulerLost):
                     raise delivery
-                yield self._apply(*delivery)
+                for update in self._apply(*delivery):
+                    yield update
         except SchedulerLost as exc:
             self._metrics.rejected.labels("503").inc()
             raise _unavailable(exc) from None
@@ -131,24 +132,30 @@ class Generation:
             self._started = False
             self._metrics.in_flight.dec()
 
-    def _apply(self, index: int, output: RequestOutput) -> ChoiceUpdate:
+    def _apply(self, index: int, output: RequestOutput) -> list[ChoiceUpdate]:
+        """One update per shown token, the last one carrying the finish reason. A step that
+        verified drafts delivers several tokens at once; like llama.cpp's server (and OpenAI's
+        API) every token still reaches the client as its own chunk."""
         choice = self._choices[index]
         tokens = output.new_token_ids
         if index == 0 and choice.num_tokens == 0:
             self.cached_tokens = output.num_cached_tokens
         # The stop or EOS token that ended the request is counted but never shown.
         shown = len(tokens) - 1 if output.finish_reason == "stop" and tokens else len(tokens)
-        logprobs: list[TokenLogprob] = []
+        updates: list[ChoiceUpdate] = []
         stopped = False
         for position, token in enumerate(tokens):
             choice.num_tokens += 1
             if position >= shown:
                 break
+            logprobs: list[TokenLogprob] = []
             if output.logprobs is not None and position < len(output.logprobs):
                 top = output.top_logprobs[position] if output.top_logprobs else []
                 logprobs.append(TokenLogprob(token, output.logprobs[position], list(top)))
-            if choice.detokenizer.add(token):
-                stopped = True
+            stopped = choice.detokenizer.add(token)
+            text = "" if stopped else choice.detokenizer.pop_text()
+            updates.append(ChoiceUpdate(index, text, logprobs, None))
+            if stopped:
                 break
         self._observe_tokens(choice, len(tokens))
         finish = "stop" if stopped else output.finish_reason
@@ -156,10 +163,14 @@ class Generation:
             raise SchedulerLost(output.error or "the request failed in the engine")
         if stopped and output.finish_reason is None:
             self._client.abort(self._sub_id(index))  # a stop string ended it here
-        text = choice.detokenizer.pop_text(final=finish is not None)
+        tail = choice.detokenizer.pop_text(final=finish is not None)
         if finish is not None:
             self._finish(choice, finish)
-        return ChoiceUpdate(index, text, logprobs, finish)
+        if not updates:
+            return [ChoiceUpdate(index, tail, [], finish)]
+        last = updates[-1]
+        updates[-1] = ChoiceUpdate(index, last.text + tail, last.logprobs, finish)
+        return updates
 
     def _observe_tokens(self, choice: _Choice, count: int) -> None:
         if count == 0:

@@ -63,6 +63,5 @@ async def test_sigkilled_worker_with_drafts_in_flight(server):
         assert killed.done and not killed.errors, killed.errors
         assert killed.text == first.text
         assert without.text == first.text
-    assert any(len(s.times) < 80 for s in results)  # streamed in chunks of accepted drafts
     metrics = await assert_pool_empty(server)
     assert metrics["nanoserve:scheduler_workers_lost_total"] >= 1

@@ -49,6 +49,7 @@ class FakeScheduler:
         worker_plan: dict[str, str] | None = None,
         heartbeat_s: float = 0.1,
         beat_stats: bool = True,
+        tokens_per_step: int = 1,
     ) -> None:
         self.address = address
         self.reply = reply
@@ -61,6 +62,7 @@ class FakeScheduler:
         self.worker_plan = worker_plan or {}
         self.heartbeat_s = heartbeat_s
         self.beat_stats = beat_stats  # False: gauges come only with the outputs that end
+        self.tokens_per_step = tokens_per_step  # >1: one output carries several (drafts verified)
         self.num_waiting = 0  # what the gauges report as waiting (tests set it)
         self.adds: list[AddRequest] = []
         self.aborts: list[str] = []
@@ -141,30 +143,35 @@ class FakeScheduler:
     async def _generate(self, peer: bytes, request: AddRequest) -> None:
         tokens = self.reply(request)
         params = request.params
+        step: list[int] = []
         for position in range(params.max_tokens):
-            await asyncio.sleep(self.token_delay)
             token = tokens[position] if position < len(tokens) else EOS
+            step.append(token)
             finish = None
             if token == EOS or token in params.stop_token_ids:
                 finish = "stop"
             elif position + 1 == params.max_tokens:
                 finish = "length"
+            if finish is None and len(step) < self.tokens_per_step:
+                continue
+            await asyncio.sleep(self.token_delay)
             self.steps += 1
             if finish is not None:  # its gauges count it ended, as the scheduler's do
                 self._tasks.pop(request.request_id, None)
-            await self._channel.asend(self._outputs(request, token, finish), peer)
+            await self._channel.asend(self._outputs(request, step, finish), peer)
+            step = []
             if finish is not None:
                 return
         self._tasks.pop(request.request_id, None)
 
-    def _outputs(self, request: AddRequest, token: int, finish: str | None) -> Outputs:
+    def _outputs(self, request: AddRequest, step: list[int], finish: str | None) -> Outputs:
         logprobs = top = None
         if request.params.logprobs is not None:
-            logprobs = [-0.5]
-            top = [[(token, -0.5), (token + 1, -1.5)][: request.params.logprobs]]
+            logprobs = [-0.5] * len(step)
+            top = [[(t, -0.5), (t + 1, -1.5)][: request.params.logprobs] for t in step]
         output = RequestOutput(
             request_id=request.request_id,
-            new_token_ids=[token],
+            new_token_ids=step,
             finish_reason=finish,
             num_prompt_tokens=len(request.prompt_token_ids),
             logprobs=logprobs,

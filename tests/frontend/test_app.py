@@ -56,6 +56,27 @@ async def test_stream_equals_whole_with_usage(server: Server) -> None:
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.fake(tokens_per_step=4)
+async def test_a_step_of_several_tokens_streams_a_chunk_per_token(server: Server) -> None:
+    """Verified drafts reach the frontend four tokens to an output. The client still gets one
+    chunk per token, as from llama.cpp's server, each with its own logprob, and the same text;
+    a stop string inside such a step still cuts the text there."""
+    ids = server.tokenizer.encode(REPLY)
+    body = {"prompt": "Hi", "max_tokens": 100, "stream": True, "logprobs": 1}
+    events = _events(await (await server.post("/v1/completions", body)).read())
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert server.fake.steps == -(-(len(ids) + 1) // 4)  # the EOS token rides the last step
+    assert len(chunks) == len(ids)
+    assert all(len(c["logprobs"]["token_logprobs"]) == 1 for c in chunks)
+    assert "".join(c["text"] for c in chunks) == REPLY
+    assert [c["finish_reason"] for c in chunks] == [None] * (len(ids) - 1) + ["stop"]
+    stop = {"prompt": "Hi", "max_tokens": 100, "stream": True, "stop": ["answer"]}
+    events = _events(await (await server.post("/v1/completions", stop)).read())
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == REPLY[: REPLY.index("answer")]
+    assert chunks[-1]["finish_reason"] == "stop"
+
+
 async def test_chat_stream_format(server: Server) -> None:
     body = {"messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": 50}
     events = _events(await (await server.post("/v1/chat/completions", body)).read())
