@@ -14,9 +14,12 @@ No request drafts while more than ``max_running`` run (``--speculative-max-runni
 with drafts runs eagerly, not as a captured or compiled decode step, which costs every row of a
 busy batch, and a request that drafts sits out the step planned while its verification flies.
 
-Requests that never draft: those with a grammar, with repetition, presence or frequency
-penalties, or asking for logprobs (the worker would have to roll those states back per
-position), and those whose ``num_speculative_tokens`` resolves to 0.
+Requests that never draft: those with repetition, presence or frequency penalties, or asking
+for logprobs (the worker would have to roll those states back per position), those with a
+grammar and ``min_tokens`` (where the grammar's fallback reads the row's output count), and
+those whose ``num_speculative_tokens`` resolves to 0. A grammar's drafts are checked in the
+worker: the mask at each draft position is the matcher's after the drafts before it, so a
+draft token the grammar forbids is never accepted and ends the draft there.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ class Speculation:
         params = request.params
         k = params.num_speculative_tokens
         k = self.num_tokens if k is None else k
-        if not k or params.grammar is not None or params.logprobs is not None:
+        if not k or params.logprobs is not None:
+            return 0
+        if params.grammar is not None and params.min_tokens:
             return 0
         if params.repetition_penalty != 1.0 or params.presence_penalty:
             return 0

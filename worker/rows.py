@@ -156,7 +156,8 @@ class RowTable:
 
     def _check_drafts(self, item: StepItem, row: Row, where: str) -> None:
         """Drafts follow a known token of a running row that samples at every position, with
-        no state the sampler would have to roll back per position."""
+        no state the sampler would have to roll back per position (a grammar's matcher walks
+        the drafts on copies: ``worker.grammar.masks``)."""
         params = row.params or SamplingParams()
         if item.fresh or not item.sample or not 0 < item.num_draft < len(item.token_ids):
             raise ValueError(
@@ -164,13 +165,13 @@ class RowTable:
                 "with a token before them"
             )
         if (
-            params.grammar is not None
+            (params.grammar is not None and params.min_tokens)
             or params.logprobs is not None
             or params.repetition_penalty != 1.0
             or params.presence_penalty
             or params.frequency_penalty
         ):
-            message = "draft tokens on a row with a grammar, logprobs or penalties"
+            message = "draft tokens on a row with logprobs, penalties, or a grammar and min_tokens"
             raise ValueError(f"{where}: {message}")
 
     def _check_fresh(self, item: StepItem, where: str) -> None:

@@ -194,14 +194,16 @@ class Worker:
                 sampled = []
             for item, row in sampled:
                 row.sampled = not item.num_draft  # no pending token follows a draft item
-            rows = [row for _, row in sampled]
-            grammar = any(row.params.grammar is not None for row in rows)
+            # Every sampled position, as the runner samples them: a draft item's k + 1.
+            backs = [back for item, _ in sampled for back in range(item.num_draft, -1, -1)]
+            rows = [row for item, row in sampled for _ in range(item.num_draft + 1)]
+            grammar = any(row.params.grammar is not None for _, row in sampled)
 
             def start_masks():
                 """The constrained rows' masks, filled in a thread (None: no such row)."""
                 if grammar:
                     self.settle()  # a matcher follows the tokens its row was fed, on the host
-                return self.grammar.start(rows)
+                return self.grammar.start(rows, backs)
 
             # Masks are filled while the forward runs: started before it when the tokens they
             # need are back already (always, on the CPU), else once it is queued, so that

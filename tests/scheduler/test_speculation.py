@@ -123,7 +123,7 @@ def test_drafts_are_verified_and_counted() -> None:
         SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.2),
         SamplingParams(max_tokens=24, temperature=0.0, presence_penalty=0.5),
         SamplingParams(max_tokens=24, temperature=0.0, logprobs=0),
-        SamplingParams(max_tokens=24, temperature=0.0, grammar='{"grammars": []}'),
+        SamplingParams(max_tokens=24, temperature=0.0, grammar='{"grammars": []}', min_tokens=2),
     ],
 )
 def test_requests_that_never_draft(params: SamplingParams) -> None:

@@ -20,6 +20,7 @@ from tests.tiny_model import write_byte_tokenizer
 from tests.worker.conftest import make_worker
 from tests.worker.driver import Driver, Request
 from worker.grammar import GrammarMasks
+from worker.grammar.llguidance_backend import LLGuidanceMatcher
 from worker.rows import Row
 
 EOS = 2
@@ -189,6 +190,54 @@ def test_a_grammar_compiled_ahead_is_not_compiled_in_a_step(worker):
     done.clear()
     worker.grammar.compile('{"grammars": [{"lark_grammar": "start: ("}]}', answer)
     assert done.wait(30) and answers[1] != ""
+
+
+def test_a_draft_item_gets_each_positions_mask_and_ends_at_a_forbidden_draft(worker):
+    """A draft item's row appears once per position: the mask at each is its matcher's after
+    the drafts before it; a draft the grammar forbids is masked out at its own position, and
+    the positions after it keep that mask. The row's own matcher stays before the drafts."""
+    grammar = llguidance.grammar_from("regex", r"(ab|ac)d[ef]+")
+    row = _row(grammar)
+    for drafts, want in (("bd", ["bc", "d", "ef"]), ("bz", ["bc", "d", "d"])):
+        row.history = [1, ord("a"), *(ord(c) for c in drafts)]  # a known token, then drafts
+        k = len(drafts)
+        pending = worker.grammar.start([row] * (k + 1), list(range(k, -1, -1)))
+        masks = [pending.allowed()[i].nonzero().flatten().tolist() for i in range(k + 1)]
+        assert masks == [[ord(c) for c in w] for w in want], (drafts, masks)
+        assert row.grammar_state.consumed == 1  # its own matcher: after "a" only
+    row.history = [1, ord("a"), ord("b")]  # "b" accepted: the next step's plain position
+    plain = worker.grammar.start([row])
+    assert plain.allowed()[0].nonzero().flatten().tolist() == [ord("d")]
+
+
+def test_drafts_under_a_grammar_change_no_token(worker, monkeypatch):
+    """Greedy replies under a grammar, drafted from prompts that repeat themselves (with a byte
+    the grammar forbids among the repeats, so some drafts are forbidden), equal the replies
+    without drafts, and drafts are accepted."""
+    forbidden = []
+    try_consume = LLGuidanceMatcher.try_consume
+
+    def recording(matcher, tokens):
+        taken = try_consume(matcher, tokens)
+        forbidden.append(taken < len(tokens))
+        return taken
+
+    monkeypatch.setattr(LLGuidanceMatcher, "try_consume", recording)
+    grammar = llguidance.grammar_from("regex", r"[a-e]{30,40}")
+    prompts = [[1, *(ord(c) for c in "abcx" * 6 + "bcdx" * i)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, grammar=grammar)
+    replies = []
+    for spec in ("ngram", "off"):
+        settings = dict(audit=True, speculative=spec, num_speculative_tokens=4)
+        engine = Engine.for_worker(worker, SchedulerConfig(**settings))
+        replies.append([o.new_token_ids for o in engine.generate(prompts, params)])
+        if spec == "ngram":
+            speculation = engine.scheduler.speculation
+            assert speculation.drafts_total > 0 and speculation.accepted_total > 0
+    assert replies[0] == replies[1]
+    assert any(forbidden) and not all(forbidden)  # drafts the grammar forbade, and allowed
+    for reply in replies[0]:
+        assert reply[-1] == EOS and re.fullmatch(r"[a-e]{30,40}", text(reply)), text(reply)
 
 
 def _row(grammar: str | None) -> Row:

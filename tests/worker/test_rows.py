@@ -110,3 +110,27 @@ def test_a_pending_token_after_a_step_that_sampled_nothing_is_refused(worker):
     with pytest.raises(ValueError, match="sampled none"):
         worker.execute(step(item(start=3, tokens=[PENDING_TOKEN], blocks=[])))
     assert worker.rows() == before
+
+
+@pytest.mark.parametrize(
+    "params,refused",
+    [
+        (SamplingParams(temperature=0.0, logprobs=1), True),
+        (SamplingParams(temperature=0.0, presence_penalty=0.5), True),
+        (SamplingParams(temperature=0.0, grammar='start: "a"+', min_tokens=2), True),
+        (SamplingParams(temperature=0.0, grammar='start: "a"+'), False),
+        (SamplingParams(temperature=0.0), False),
+    ],
+)
+def test_draft_tokens_only_on_rows_without_state_to_roll_back(worker, params, refused):
+    """Logprobs, penalties, and a grammar with min_tokens keep per-position state: a draft
+    item on such a row is refused; a grammar alone walks its drafts on copies of its matcher."""
+    worker.execute(step(item(params=params)))
+    before = worker.rows()
+    drafted = step(item(start=3, tokens=[4, 7, 8], blocks=[1], num_draft=2))
+    if not refused:
+        assert len(worker.execute(drafted).samples) == 1
+        return
+    with pytest.raises(ValueError, match="draft tokens on a row with logprobs"):
+        worker.execute(drafted)
+    assert worker.rows() == before

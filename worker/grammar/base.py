@@ -8,7 +8,8 @@ thread), and nothing else asks which one it has:
   it there if ``compile`` did not (counted in ``compiles_in_place``);
 - ``fill``: the token masks of several matchers, each into one row of a bitmask.
 
-A ``Matcher`` follows one sequence: ``consume`` its tokens, ask ``error``. Masks are bitmasks:
+A ``Matcher`` follows one sequence: ``consume`` its tokens, ask ``error``; ``fork`` and
+``try_consume`` walk a copy through a draft's tokens without ever erring. Masks are bitmasks:
 int32 (rows, ceil(vocab / 32)), bit ``t % 32`` of word ``t // 32`` set when token ``t`` may
 come next; once a grammar is complete, or in error, only the EOS tokens are set.
 """
@@ -31,6 +32,15 @@ class Matcher(ABC):
     @abstractmethod
     def error(self) -> str:
         """Why the matcher is in error ("" while it is not)."""
+
+    @abstractmethod
+    def fork(self) -> Matcher:
+        """An independent copy at the same position."""
+
+    @abstractmethod
+    def try_consume(self, tokens: list[int]) -> int:
+        """Advance past the longest prefix of ``tokens`` the grammar allows; its length. The
+        matcher is never put in error."""
 
 
 class GrammarBackend(ABC):

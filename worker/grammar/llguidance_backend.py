@@ -38,6 +38,12 @@ class LLGuidanceMatcher(Matcher):
     def error(self) -> str:
         return self.inner.get_error() if self.inner.is_error() else ""
 
+    def fork(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self.inner.deep_copy())
+
+    def try_consume(self, tokens: list[int]) -> int:
+        return self.inner.try_consume_tokens(tokens)
+
 
 class LLGuidanceBackend(GrammarBackend):
     """llguidance over one tokenizer's vocabulary, widened to the model's ``vocab_size``."""

@@ -43,6 +43,28 @@ class _GrammarState:
     consumed: int = 0
 
 
+@dataclass
+class _Draft:
+    """A draft item's walk through its draft tokens: the matcher of the position filled last
+    (a copy; the row's own matcher stays before the drafts, and takes the accepted ones from
+    the row's history next step) and where that position is. A draft token the grammar
+    forbids ends the walk: its position's mask forbids it, so no sample after it is kept, and
+    the positions after it get copies of that matcher."""
+
+    matcher: Matcher
+    at: int
+    valid: bool = True
+
+    def step(self, history: list[int], end: int) -> Matcher:
+        """The matcher of the position before ``history[end]`` (a matcher of its own: one
+        fill never takes a matcher twice)."""
+        fork = self.matcher.fork()
+        if self.valid:
+            self.valid = fork.try_consume(history[self.at : end]) == end - self.at
+        self.matcher, self.at = fork, end
+        return fork
+
+
 class PendingMasks:
     """One step's masks, being filled; ``apply`` waits for them."""
 
@@ -159,17 +181,21 @@ class GrammarMasks:
         error = backend.compile(grammar) if backend is not None else (self._unavailable or "")
         done(error, time.perf_counter() - began)
 
-    def start(self, rows: list[Row]) -> PendingMasks | None:
+    def start(self, rows: list[Row], backs: list[int] | None = None) -> PendingMasks | None:
         """Begin filling the masks of the constrained rows among ``rows`` (a step's sampled
-        rows, in order); None when none is constrained."""
+        positions, in order; a draft item's row once per position). ``backs``: per position,
+        how many of its row's tokens fed this step come after it (k, ..., 1, 0 for a draft
+        item's k + 1 positions; 0 elsewhere). None when no row is constrained."""
+        backs = backs or [0] * len(rows)
         index = [i for i, row in enumerate(rows) if row.params.grammar is not None]
         if not index:
             return None
         bitmask = np.zeros((len(index), self.words), dtype=np.int32)
-        filled = self._thread.submit(self._fill, [rows[i] for i in index], bitmask)
+        positions = [(rows[i], backs[i]) for i in index]
+        filled = self._thread.submit(self._fill, positions, bitmask)
         return PendingMasks(index, bitmask, filled, self.vocab_size)
 
-    def _fill(self, rows: list[Row], bitmask: np.ndarray) -> tuple[float, int]:
+    def _fill(self, positions: list[tuple[Row, int]], bitmask: np.ndarray) -> tuple[float, int]:
         """In the mask thread: each row's matcher brought up to date, then every mask; returns
         the seconds it took and the grammars it had to compile."""
         began = time.perf_counter()
@@ -179,16 +205,28 @@ class GrammarMasks:
                 bitmask.view(np.uint32)[:, eos // 32] |= np.uint32(1 << (eos % 32))
             return time.perf_counter() - began, 0
         compiled = backend.compiles_in_place
-        matchers = [(self._matcher(row, backend), k) for k, row in enumerate(rows)]
+        matchers: list[tuple[Matcher, int]] = []
+        drafting: dict[int, _Draft] = {}  # id(row) -> its draft's walk so far
+        for k, (row, back) in enumerate(positions):
+            end = len(row.history) - back  # the tokens before the position sampled
+            walk = drafting.get(id(row))
+            if walk is None:  # the row's first position: its own matcher, up to date
+                matcher = self._matcher(row, backend, end)
+                if back:
+                    drafting[id(row)] = _Draft(matcher, end)
+            else:  # a copy one draft token further
+                matcher = walk.step(row.history, end)
+            matchers.append((matcher, k))
         backend.fill(matchers, bitmask)
         return time.perf_counter() - began, backend.compiles_in_place - compiled
 
     @staticmethod
-    def _matcher(row: Row, backend: GrammarBackend) -> Matcher:
+    def _matcher(row: Row, backend: GrammarBackend, end: int) -> Matcher:
+        """The row's matcher, advanced over its generated tokens before ``end``."""
         state = row.grammar_state
         if state is None:
             state = row.grammar_state = _GrammarState(backend.matcher(row.params.grammar))
-        new = row.history[row.prompt_len + state.consumed :]
+        new = row.history[row.prompt_len + state.consumed : end]
         if new:
             state.matcher.consume(new)
             state.consumed += len(new)
