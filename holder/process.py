@@ -1,11 +1,13 @@
-"""The pool holder's process: answer workers' ``AttachPool`` with the one shared pool.
+"""The pool holder's process: answer workers' ``AttachPool`` with their shared pool.
 
-It binds a ROUTER at the run's holder endpoint and owns at most one ``PoolFile``. A worker's
-first request creates it with the worker's geometry; later ones get the same pool, its
-generation bumped, when their geometry is the same (any block count, if theirs came from a
-budget). It refuses, and says why, when the geometry differs, or while the worker that attached
-last still maps the pool (two workers must never write one pool). SIGTERM or SIGINT removes the file
-and exits 0; a SIGKILLed holder's file is removed by the next holder of the run.
+It binds a ROUTER at the run's holder endpoint and owns one ``PoolFile`` per tensor-parallel
+rank (rank 0 alone for a worker of one rank), keyed by the rank in the request's geometry. A
+rank's first request creates its pool with the rank's geometry; later ones get the same pool,
+its generation bumped, when their geometry is the same (rank and group size included; any block
+count, if theirs came from a budget). It refuses, and says why, when the geometry differs, or
+while the process that attached to that rank's pool last still maps it (two processes must never
+write one pool). SIGTERM or SIGINT removes the files and exits 0; a SIGKILLed holder's files are
+removed by the next holder of the run.
 """
 
 from __future__ import annotations
@@ -35,33 +37,40 @@ def maps(pid: int, path: Path) -> bool:
 
 
 class Holder:
-    """The one pool and who attached to it last."""
+    """The pools, one per rank, and who attached to each last."""
 
     def __init__(self, run_id: str, directory: Path | None = None) -> None:
         self.run_id = run_id
         self.directory = directory
-        self.pool: PoolFile | None = None
-        self.attached_pid: int | None = None
+        self.pools: dict[int, PoolFile] = {}  # rank -> its pool
+        self.attached_pids: dict[int, int] = {}  # rank -> the pid that attached to it last
         self._last_refusal: tuple[int, str] | None = None
 
+    @property
+    def pool(self) -> PoolFile | None:
+        """Rank 0's pool: a worker of one rank's."""
+        return self.pools.get(0)
+
     def attach(self, request: AttachPool) -> PoolGranted:
-        """Grant the pool to a worker, or say why not."""
+        """Grant a rank's pool to a worker, or say why not."""
         kind, refuse = self._refusal(request)
         if refuse:
             if (request.pid, kind) != self._last_refusal:  # a standby asks 50 times a second
                 log.warning("pool refused to worker pid %d: %s", request.pid, refuse)
                 self._last_refusal = (request.pid, kind)
             return PoolGranted(protocol_version=PROTOCOL_VERSION, reason=refuse, refusal=kind)
-        if self.pool is None:
-            self.pool = PoolFile(self.run_id, request.geometry, self.directory)
-            log.info("pool %s created: %s", self.pool.pool_id, request.geometry.describe())
-        pool = self.pool
+        rank = request.geometry.rank
+        pool = self.pools.get(rank)
+        if pool is None:
+            pool = self.pools[rank] = PoolFile(self.run_id, request.geometry, self.directory)
+            log.info("pool %s created: %s", pool.pool_id, request.geometry.describe())
         generation = pool.attach()
-        self.attached_pid = request.pid
+        self.attached_pids[rank] = request.pid
         log.info(
-            "worker pid %d attached to pool %s, generation %d",
+            "worker pid %d attached to pool %s%s, generation %d",
             request.pid,
             pool.pool_id,
+            f" (rank {rank})" if request.geometry.world_size > 1 else "",
             generation,
         )
         return PoolGranted(
@@ -77,7 +86,8 @@ class Holder:
         if request.protocol_version != PROTOCOL_VERSION:
             why = f"protocol {request.protocol_version}, the holder's {PROTOCOL_VERSION}"
             return "protocol", why
-        pool, previous = self.pool, self.attached_pid
+        rank = request.geometry.rank
+        pool, previous = self.pools.get(rank), self.attached_pids.get(rank)
         if pool is None:
             return "", ""
         if previous is not None and previous != request.pid and maps(previous, pool.path):
@@ -90,10 +100,10 @@ class Holder:
         return "", ""
 
     def close(self) -> None:
-        """Remove the pool's file."""
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        """Remove the pools' files."""
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
 
 
 def run_holder(*, address: str, run_id: str, poll_s: float = 0.2) -> int:

@@ -8,7 +8,9 @@ import msgspec
 
 from protocol.stats import EngineStats
 
-PROTOCOL_VERSION = 7  # 7: draft tokens (StepItem.num_draft); 6: CompileGrammar
+# 8: a KV pool per tensor-parallel rank (PoolGeometry.rank, WorkerReady.pool_ranks);
+# 7: draft tokens (StepItem.num_draft); 6: CompileGrammar
+PROTOCOL_VERSION = 8
 
 PENDING_TOKEN = -1
 """A token the scheduler has not seen yet: the one the worker sampled for this row in the

@@ -7,7 +7,8 @@ the file's path, the pool's id and its generation, bumped at every attach (``Poo
 or with the reason it will not share one (the worker then allocates a private pool).
 
 The file is a header page, then the pool's bytes. The header says what the bytes are:
-``MAGIC``, the geometry, the pool id and the generation. The worker checks it against the
+``MAGIC``, the geometry (with the tensor-parallel rank whose share of the KV heads it holds, and
+the group's size), the pool id and the generation. The worker checks it against the
 grant before it trusts a byte, so a file replaced or resized behind its back is refused.
 """
 
@@ -21,14 +22,17 @@ from protocol.messages import PROTOCOL_VERSION, Message
 
 MAGIC = b"NSKVPOOL"
 HEADER_BYTES = 4096  # one page: the pool's bytes start page-aligned
-# magic, layout version, layers, KV heads, head dim, block size, blocks, generation, id, dtype
-_HEADER = struct.Struct("<8sIIIIIQQ16s16s")
-LAYOUT_VERSION = 1
+# magic, layout version, layers, KV heads, head dim, block size, blocks, generation, id, dtype,
+# rank, world size
+_HEADER = struct.Struct("<8sIIIIIQQ16s16sII")
+LAYOUT_VERSION = 2
 
 
 class PoolGeometry(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
     """What a pool's bytes are: (num_layers, 2, n_kv_heads, num_blocks + 1, block_size,
-    head_dim) elements of ``dtype`` (the block past ``num_blocks`` is the worker's trash)."""
+    head_dim) elements of ``dtype`` (the block past ``num_blocks`` is the worker's trash). A
+    tensor-parallel rank's pool holds that rank's KV heads: ``rank`` of a group of
+    ``world_size`` (0 of 1 for a worker of one rank)."""
 
     num_layers: int
     n_kv_heads: int
@@ -36,22 +40,34 @@ class PoolGeometry(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_on
     block_size: int
     dtype: str
     num_blocks: int
+    rank: int = 0
+    world_size: int = 1
 
-    def layout(self) -> tuple[int, int, int, int, str]:
+    def layout(self) -> tuple[int, int, int, int, str, int, int]:
         """Everything but the block count: what a pool of another size still shares."""
-        return (self.num_layers, self.n_kv_heads, self.head_dim, self.block_size, self.dtype)
+        return (
+            self.num_layers,
+            self.n_kv_heads,
+            self.head_dim,
+            self.block_size,
+            self.dtype,
+            self.rank,
+            self.world_size,
+        )
 
     def describe(self) -> str:
         """One line for a log: the geometry's fields."""
+        group = f", rank {self.rank} of {self.world_size}" if self.world_size > 1 else ""
         return (
             f"{self.num_layers} layers x {self.n_kv_heads} KV heads x {self.head_dim}, "
-            f"{self.num_blocks} blocks of {self.block_size}, {self.dtype}"
+            f"{self.num_blocks} blocks of {self.block_size}, {self.dtype}{group}"
         )
 
 
 class AttachPool(Message):
-    """A worker asks for the shared pool. ``any_size``: its block count came from a memory
-    budget, not from the user, so a pool of the same layout and another size will do."""
+    """A worker (a tensor-parallel rank: ``geometry.rank``) asks for its shared pool.
+    ``any_size``: its block count came from a memory budget, not from the user, so a pool of
+    the same layout and another size will do."""
 
     protocol_version: int
     geometry: PoolGeometry
@@ -108,13 +124,16 @@ def pack_header(geometry: PoolGeometry, pool_id: str, generation: int) -> bytes:
         generation,
         pool_id.encode()[:16],
         g.dtype.encode()[:16],
+        g.rank,
+        g.world_size,
     )
 
 
 def unpack_header(data: bytes) -> tuple[PoolGeometry, str, int]:
     """(geometry, pool id, generation) from a header; ValueError if it is not one."""
     fields = _HEADER.unpack_from(data)
-    magic, version, layers, heads, head_dim, block_size, blocks, generation, pid, dtype = fields
+    magic, version, layers, heads, head_dim, block_size, blocks = fields[:7]
+    generation, pid, dtype, rank, world_size = fields[7:]
     if magic != MAGIC or version != LAYOUT_VERSION:
         raise ValueError(f"not a nanoserve KV pool (magic {magic!r}, layout {version})")
     geometry = PoolGeometry(
@@ -124,6 +143,8 @@ def unpack_header(data: bytes) -> tuple[PoolGeometry, str, int]:
         block_size=block_size,
         dtype=dtype.rstrip(b"\0").decode(),
         num_blocks=blocks,
+        rank=rank,
+        world_size=world_size,
     )
     return geometry, pid.rstrip(b"\0").decode(), generation
 

@@ -242,6 +242,10 @@ class WorkerReady(Message):
     pool_id: str = ""
     pool_generation: int = 0
     pool_fallback: str = ""
+    # A tensor-parallel group's shared pools, one per rank, rank 0 first: (pool id, generation
+    # after this group's attach). ``pool_id`` and ``pool_generation`` are rank 0's. Empty for a
+    # worker of one rank, and for a group whose pools are private.
+    pool_ranks: list[tuple[str, int]] = []
 
 
 class GrammarCompiled(Message):

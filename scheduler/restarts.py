@@ -5,7 +5,8 @@ outlives the worker. When the worker dies, the engine keeps the running requests
 rolled back to what the steps it answered computed (``Scheduler.keep_for_reattach``), and waits
 for the next worker. That one may take them over (``can_reattach``) only if it mapped the same
 pool (its id), right after the lost worker (generation + 1: no worker wrote it in between), with
-the same block count. Anything else falls back to recompute, counted by reason.
+the same block count; a tensor-parallel group only if every rank did so with its rank's pool
+(``WorkerReady.pool_ranks``). Anything else falls back to recompute, counted by reason.
 """
 
 from __future__ import annotations
@@ -31,7 +32,23 @@ def can_reattach(lost: WorkerReady, new: WorkerReady) -> str:
         return "generation"  # another worker attached in between
     if new.num_blocks != lost.num_blocks:
         return "blocks"
-    return ""
+    return rank_mismatch(lost, new)[0]
+
+
+def rank_mismatch(lost: WorkerReady, new: WorkerReady) -> tuple[str, str]:
+    """Of a tensor-parallel group: (kind, which rank and why) when a rank of ``new`` did not
+    attach the pool its predecessor in ``lost`` held, at the generation after it; ("", "")
+    when every rank did."""
+    if len(new.pool_ranks) != len(lost.pool_ranks):
+        return "ranks", f"{len(lost.pool_ranks)} ranks' pools, now {len(new.pool_ranks)}"
+    pairs = zip(lost.pool_ranks, new.pool_ranks, strict=True)
+    for rank, ((lost_id, lost_generation), (pool_id, generation)) in enumerate(pairs):
+        if pool_id != lost_id:
+            return "new_pool", f"rank {rank} attached pool {pool_id}, not {lost_id}"
+        if generation != lost_generation + 1:
+            why = f"rank {rank} attached pool {pool_id} at generation {generation}"
+            return "generation", f"{why}, not {lost_generation + 1}"
+    return "", ""
 
 
 def written_blocks(batch: Batch, scheduler: Scheduler) -> list[int]:

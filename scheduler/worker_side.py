@@ -28,7 +28,7 @@ from protocol.messages import (
 from scheduler.audit_log import AuditLog
 from scheduler.engine import Engine
 from scheduler.peers import WorkerPeer
-from scheduler.restarts import Stalls
+from scheduler.restarts import Stalls, rank_mismatch
 from scheduler.sizing import geometry
 from scheduler.worker_view import WorkerView
 
@@ -150,10 +150,13 @@ class WorkerSide(WorkerView):
                 restarts.tokens_recomputed_last,
             )
         elif sum(restarts.fallbacks.values()) > fallbacks:
+            kind, which = rank_mismatch(before, ready) if before is not None else ("", "")
+            which = which if kind == restarts.last_reason else ""  # which rank, if one was why
             log.warning(
-                "the new worker did not re-attach to the lost worker's pool (%s): "
+                "the new worker did not re-attach to the lost worker's pool (%s%s): "
                 "%d tokens are recomputed",
                 restarts.last_reason,
+                f": {which}" if which else "",
                 restarts.tokens_recomputed_last,
             )
         if before is not None and geometry(before) != geometry(ready):

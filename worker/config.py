@@ -121,8 +121,8 @@ class WorkerConfig:
     standby_workers: int = field(
         default=0,
         metadata={
-            "help": "with --shared-kv-pool: more worker processes, each with the model loaded "
-            "and idle, the first to take the pool over when the active worker dies"
+            "help": "with --shared-kv-pool, one rank: more worker processes, each with the "
+            "model loaded and idle, the first to take the pool over when the active worker dies"
         },
     )
     kv_cache_dtype: str = field(

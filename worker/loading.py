@@ -16,7 +16,7 @@ from models.files import ModelFiles, resolve_model
 from protocol.kv_pool import PoolGeometry
 from worker.config import WorkerConfig, resolve_max_model_len
 from worker.kv.cache import KVCache, default_budget
-from worker.kv.shared import Attachment, attach, private
+from worker.kv.shared import RANK_WAIT_S, Attachment, PeerPools, agree, attach, private
 from worker.linear.build import apply_plan, q4_facts
 from worker.model.llama import LlamaModel, ModelSpec
 from worker.model.loader import load_checkpoint, load_q4
@@ -131,24 +131,41 @@ def make_cache(
             config.num_blocks is None,
             **geometry,
         )
+        if group.size > 1:  # the group's pools are shared only if every rank's is
+            attachment = agree(group, attachment)
         if attachment.geometry is not None:
             num_blocks = attachment.geometry.num_blocks
-            log.info(
-                "KV pool: shared pool %s, generation %d (%s)",
-                attachment.pool_id,
-                attachment.generation,
-                attachment.geometry.describe(),
-            )
-        else:
+            _log_shared(attachment, group)
+        elif group.leader:  # a group's fallback is one line: the leader's
             log.warning(
                 "KV pool: private, not shared (%s): %s", attachment.fallback, attachment.reason
             )
-    return KVCache(
+    cache = KVCache(
         num_blocks=num_blocks,
         device=plan.device,
         pool=plan.kv_pool,
         attachment=attachment,
         **geometry,
+    )
+    if attachment is not None and attachment.ranks and group.leader:
+        cache.peers = PeerPools(attachment.ranks, group.rank)  # its sums cover every shard
+    return cache
+
+
+def _log_shared(attachment: Attachment, group: Group) -> None:
+    """One line, the leader's: the pool (of a group: every rank's) it mapped."""
+    if not group.leader or attachment.geometry is None:
+        return
+    pools = ", ".join(
+        f"rank {rank} {pool.pool_id} generation {pool.generation}"
+        for rank, pool in enumerate(attachment.ranks)
+    )
+    log.info(
+        "KV pool: shared pool %s, generation %d (%s)%s",
+        attachment.pool_id,
+        attachment.generation,
+        attachment.geometry.describe(),
+        f"; the group's pools: {pools}" if pools else "",
     )
 
 
@@ -169,8 +186,8 @@ def _attach(
     """The pool holder's pool for this geometry, or why the pool stays private."""
     if pool != "host":
         return private("device", "a device pool is not shared (the CUDA holder is not built)")
-    if group.size > 1:
-        return private("tensor_parallel", "tensor-parallel ranks keep private pools")
+    if group.local_size < group.size:  # the leader sums every rank's pool, from this host
+        return private("tensor_parallel_hosts", "ranks on several hosts keep private pools")
     if holder is None:
         return private("no_holder", "no pool holder address")
     geometry = PoolGeometry(
@@ -180,5 +197,9 @@ def _attach(
         block_size=block_size,
         dtype=str(dtype).removeprefix("torch."),
         num_blocks=num_blocks,
+        rank=group.rank,
+        world_size=group.size,
     )
-    return attach(holder, geometry, any_size, standby=standby)
+    # A restarted group's rank may ask before the lost group's rank has stopped mapping it.
+    wait_s = RANK_WAIT_S if group.size > 1 else 0.0
+    return attach(holder, geometry, any_size, standby=standby, wait_s=wait_s)

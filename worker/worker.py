@@ -147,6 +147,7 @@ class Worker:
             pool_id=self.cache.attachment.pool_id,
             pool_generation=self.cache.attachment.generation,
             pool_fallback=self.cache.attachment.fallback,
+            pool_ranks=[(pool.pool_id, pool.generation) for pool in self.cache.attachment.ranks],
         )
 
     def execute(self, step: StepInput) -> StepResult:
@@ -179,7 +180,9 @@ class Worker:
                 self.settle()  # the leader names every pending token to the other ranks
                 step = tp_steps.lead(self.group, step, self.row_table)
             self.row_table.check(step, self.spec.vocab_size)
-            verified = [(b, self.cache.checksum(b)) for b in step.verify_blocks if self._known(b)]
+            # Only the leader answers the scheduler: it sums every rank's shard of a block.
+            verify = step.verify_blocks if self.group.leader else []
+            verified = [(b, self.cache.checksum(b)) for b in verify if self._known(b)]
             self.row_table.release(step.released_slots)
             self.row_table.rewind(step.rewinds)
             applied = [self.row_table.apply(item) for item in step.items]
@@ -214,7 +217,7 @@ class Worker:
                 launched = self.runner.queue(step, applied, sampled, start_masks, early, audit)
             launched.launch_s = time.perf_counter() - began
             launched.verified = verified
-            if self.cache.attachment.mapping is not None:  # a shared pool: sum what fills
+            if self.cache.attachment.mapping is not None and self.group.leader:  # sum what fills
                 launched.filled = filled_blocks(step, applied, self.config.block_size)
             self._in_flight.append(launched)
             return launched

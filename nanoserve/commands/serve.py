@@ -33,6 +33,7 @@ def check(args: argparse.Namespace) -> None:
     """Build every process's config here, so that a bad value is one line (ValueError) before
     anything starts, not a child that fails and is restarted."""
     from frontend.config import FrontendConfig
+    from nanoserve.commands.worker import check_group
     from nanoserve.fleet import Fleet
     from nanoserve.launch import Running, Sockets
     from scheduler.config import SchedulerConfig
@@ -41,6 +42,7 @@ def check(args: argparse.Namespace) -> None:
 
     for cls in (WorkerConfig, ParallelConfig, SchedulerConfig, Running, Fleet):
         config_from(cls, args)
+    check_group(config_from(WorkerConfig, args), config_from(ParallelConfig, args))
     addresses = config_from(Sockets, args).addresses()
     config_from(FrontendConfig, args, model=args.model, addresses=addresses)
 

@@ -30,6 +30,16 @@ def parallel_config(args: argparse.Namespace):
     return config_from(ParallelConfig, args)
 
 
+def check_group(config, parallel) -> None:
+    """ValueError, in one line, for what a tensor-parallel group does not support: standby
+    workers (a standby would have to be a whole group of ranks)."""
+    if parallel.size > 1 and config.standby_workers:
+        raise ValueError(
+            "--standby-workers is not supported with --tensor-parallel-size > 1: a restarted "
+            "group re-attaches to its ranks' pools without one (docs/kv_pool.md)"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the worker process until it is told to stop."""
     from nanoserve.launch import Running, Sockets
@@ -37,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     config, parallel = worker_config(args), parallel_config(args)
+    check_group(config, parallel)
     sockets, running = config_from(Sockets, args), config_from(Running, args)
 
     def lead(group=None) -> int:
@@ -57,4 +68,4 @@ def run(args: argparse.Namespace) -> int:
         env.update(NANOSERVE_TP_RANKS=str(rank), NANOSERVE_TP_MASTER_PORT=str(port))
         return [sys.executable, "-m", "nanoserve.cli", "worker"], env
 
-    return run_ranks(config, parallel, lead, child)
+    return run_ranks(config, parallel, lead, child, holder=sockets.addresses().holder)

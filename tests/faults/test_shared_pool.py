@@ -187,12 +187,17 @@ def running_blocks(run_id: str, timeout: float = 30.0) -> dict[str, list[int]]:
         socket.close(0)
 
 
-def flip_block(run_id: str, block: int) -> None:
-    """Flip 64 bytes of ``block``'s K (layer 0, head 0) in the shared pool's file."""
+def flip_block(run_id: str, block: int, rank: int = 0) -> None:
+    """Flip 64 bytes of ``block``'s K (layer 0, head 0) in the shared pool's file (of a
+    tensor-parallel group: rank ``rank``'s pool)."""
     from holder.pool_file import pool_directory, pool_prefix
     from protocol.kv_pool import HEADER_BYTES, element_size, unpack_header
 
-    [path] = pool_directory().glob(pool_prefix(run_id) + "*")
+    def rank_of(path) -> int:
+        with open(path, "rb") as pool:
+            return unpack_header(pool.read(HEADER_BYTES))[0].rank
+
+    [path] = [p for p in pool_directory().glob(pool_prefix(run_id) + "*") if rank_of(p) == rank]
     with open(path, "r+b") as pool:
         geometry, _, _ = unpack_header(pool.read(HEADER_BYTES))
         block_bytes = geometry.block_size * geometry.head_dim * element_size(geometry.dtype)

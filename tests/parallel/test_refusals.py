@@ -1,6 +1,6 @@
 """What a tensor-parallel worker refuses at start, in one line on stderr and exit status 2
-(so a supervisor does not restart it): a size that does not split the model's heads, and a
-rendezvous that cannot be reached."""
+(so a supervisor does not restart it): a size that does not split the model's heads, a
+rendezvous that cannot be reached, and standby workers for a group."""
 
 from __future__ import annotations
 
@@ -43,3 +43,21 @@ def test_an_unreachable_rendezvous_is_refused(tiny_dir):
         "--tp-master-port", str(port), "--tp-connect-timeout", "2",
     )  # fmt: skip
     _one_line(done, f"rendezvous at 127.0.0.1:{port} failed")
+
+
+def test_standby_workers_with_a_group_are_refused(tiny_dir):
+    done = _worker(
+        "--model", str(tiny_dir), "--tensor-parallel-size", "2", "--shared-kv-pool",
+        "--standby-workers", "1",
+    )  # fmt: skip
+    _one_line(done, "--standby-workers is not supported with --tensor-parallel-size > 1")
+
+
+def test_serve_refuses_standby_workers_with_a_group_before_starting_anything(tiny_dir):
+    env = {**os.environ, "NANOSERVE_RUN_ID": f"refusal-{os.getpid()}"}
+    command = [
+        sys.executable, "-m", "nanoserve.cli", "serve", "--model", str(tiny_dir),
+        "--tensor-parallel-size", "2", "--shared-kv-pool", "--standby-workers", "1",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    _one_line(done, "nanoserve serve: error: --standby-workers is not supported")

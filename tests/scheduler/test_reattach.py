@@ -13,7 +13,7 @@ from protocol.messages import SamplingParams
 from scheduler.audit import InvariantViolation
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
-from scheduler.restarts import can_reattach
+from scheduler.restarts import can_reattach, rank_mismatch
 from scheduler.sim_worker import SimWorker
 from scheduler.soak import make_prompts, soak
 
@@ -108,6 +108,54 @@ def test_reattach_conditions_name_the_reason() -> None:
     assert can_reattach(lost, msgspec.structs.replace(good, num_blocks=9)) == "blocks"
     private = msgspec.structs.replace(good, pool_id="", pool_fallback="no_holder")
     assert can_reattach(lost, private) == "no_holder"
+
+
+def test_a_group_reattaches_only_if_every_rank_took_its_own_pool_over() -> None:
+    lost = msgspec.structs.replace(
+        SimWorker(8, 4, 2).shared().ready(),
+        tensor_parallel_size=3,
+        pool_ranks=[("sim-pool", 1), ("pool-1", 1), ("pool-2", 1)],
+    )
+    good = msgspec.structs.replace(
+        lost, pool_generation=2, pool_ranks=[("sim-pool", 2), ("pool-1", 2), ("pool-2", 2)]
+    )
+    assert can_reattach(lost, good) == "" and rank_mismatch(lost, good) == ("", "")
+    fresh = msgspec.structs.replace(good, pool_ranks=[("sim-pool", 2), ("new", 1), ("pool-2", 2)])
+    assert can_reattach(lost, fresh) == "new_pool"
+    assert rank_mismatch(lost, fresh)[1] == "rank 1 attached pool new, not pool-1"
+    stale_ranks = [("sim-pool", 2), ("pool-1", 2), ("pool-2", 3)]
+    stale = msgspec.structs.replace(good, pool_ranks=stale_ranks)
+    assert can_reattach(lost, stale) == "generation"
+    assert rank_mismatch(lost, stale)[1] == "rank 2 attached pool pool-2 at generation 3, not 2"
+    fewer = msgspec.structs.replace(good, pool_ranks=good.pool_ranks[:2])
+    assert can_reattach(lost, fewer) == "ranks"
+
+
+def test_a_group_with_a_rank_on_a_new_pool_recomputes_with_the_same_text() -> None:
+    """The engine's side: a group re-attached but for one rank falls back, counted by reason."""
+    prompts = make_prompts(4, 10, vocab_size=1000, seed=4)
+    undisturbed, _ = _run(_engine(), prompts, None, False)
+    engine = _engine()
+    ranks = [("sim-pool", 1), ("pool-1", 1)]
+    engine.ready_info = msgspec.structs.replace(engine.ready_info, pool_ranks=ranks)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, PARAMS)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for _ in range(4):
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    engine.worker_lost(keep=True)
+    assert engine.restarts.kept
+    engine.worker = engine.worker.successor()
+    engine.worker._ready = msgspec.structs.replace(
+        engine.worker.ready(), pool_ranks=[("sim-pool", 2), ("another", 1)]
+    )
+    assert engine.fit(engine.worker.ready()) == []
+    assert engine.restarts.fallbacks == {"new_pool": 1} and engine.restarts.reattaches == 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    assert tokens == undisturbed
 
 
 def test_a_new_pool_falls_back_to_recompute_with_the_same_text() -> None:

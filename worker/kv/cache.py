@@ -24,7 +24,7 @@ from protocol.blocks import blocks_for
 from protocol.kv_pool import HEADER_BYTES
 from worker.cpu.machine import available_ram
 from worker.kv.host_pool import HostPool
-from worker.kv.shared import Attachment
+from worker.kv.shared import Attachment, PeerPools
 
 _HOST_BUDGET_CAP = 4 << 30
 
@@ -79,6 +79,9 @@ class KVCache:
         flat = (num_layers, 2, n_kv_heads, (num_blocks + 1) * block_size, head_dim)
         self._flat = self.pool.view(flat)
         self._scratch: dict[str, torch.Tensor] = {}
+        # A tensor-parallel leader's maps of the other ranks' shared pools: ``checksum`` covers
+        # every rank's shard of a block (worker.kv.shared).
+        self.peers: PeerPools | None = None
 
     def populate(
         self, after: Callable[[], object] | None = None, busy: Callable[[], bool] | None = None
@@ -109,9 +112,11 @@ class KVCache:
 
     def checksum(self, block: int) -> int:
         """CRC-32 of a block's K/V bytes, every layer, K then V (what the scheduler records
-        and checks after a re-attach: docs/kv_pool.md)."""
+        and checks after a re-attach: docs/kv_pool.md); on a tensor-parallel leader, continued
+        over every other rank's shard of it, in rank order."""
         data = self.pool[:, :, :, block].contiguous().view(torch.uint8)  # (L, 2, H, bs, hd * e)
-        return zlib.crc32(data.cpu().numpy())
+        crc = zlib.crc32(data.cpu().numpy())
+        return self.peers.checksum(block, crc) if self.peers is not None else crc
 
     def layers(self) -> torch.Tensor:
         """Every layer's K and V, (num_layers, 2, n_kv_heads, (num_blocks + 1) * block_size,

@@ -6,6 +6,12 @@ before a byte of it is trusted. Anything else (no holder answering, another geom
 another live worker maps, a bad header) is a fallback: the worker allocates its pool privately,
 as without a holder, and ``reason`` says why in one log line (``fallback``, its kind, is a
 label on the scheduler's metric).
+
+A tensor-parallel group attaches as a group: each rank asks for its own rank's pool (its share
+of the KV heads), then the ranks tell each other what they got (``agree``). The group's pools
+are shared only if every rank's is, all of one block count; else every rank's pool is private.
+The leader then maps the other ranks' pools read-only (``PeerPools``): the checksum of a block
+it reports covers every rank's shard.
 """
 
 from __future__ import annotations
@@ -14,8 +20,12 @@ import logging
 import mmap
 import os
 import time
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+import msgspec
+import numpy as np
 import zmq
 
 from protocol.channel import BadMessage, Channel
@@ -25,13 +35,20 @@ from protocol.kv_pool import (
     AttachPool,
     FromHolder,
     PoolGeometry,
+    element_size,
     pool_bytes,
     unpack_header,
 )
 from protocol.messages import StepInput
 
+if TYPE_CHECKING:
+    from worker.parallel.group import Group
+
 ATTACH_TIMEOUT_S = 2.0
 STANDBY_POLL_S = 0.02  # a standby asks this often: the holder answers from /proc, in microseconds
+# A restarted group's rank waits this long for the lost group's rank to stop mapping its pool:
+# the lost ranks end within their watch's timeout (``worker.parallel.ranks``), seconds.
+RANK_WAIT_S = 15.0
 
 log = logging.getLogger("nanoserve.worker")
 
@@ -46,11 +63,26 @@ class Attachment:
     geometry: PoolGeometry | None = None
     fallback: str = ""  # the kind of reason: "no_holder", "geometry", "in_use", "header", ...
     reason: str = ""
+    path: str = ""  # the pool's file
+    ranks: tuple[RankPool, ...] = ()  # a group's: what every rank attached, rank 0 first
 
     @property
     def reused(self) -> bool:
-        """Whether an earlier worker attached to this pool (its blocks may hold K/V)."""
-        return self.mapping is not None and self.generation > 1
+        """Whether an earlier worker attached to this pool (its blocks may hold K/V): of a
+        group, to every rank's."""
+        others = all(rank.generation > 1 for rank in self.ranks)
+        return self.mapping is not None and self.generation > 1 and others
+
+
+class RankPool(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
+    """What one rank of a group attached, as the ranks tell each other (``agree``)."""
+
+    path: str = ""
+    pool_id: str = ""
+    generation: int = 0
+    geometry: PoolGeometry | None = None
+    fallback: str = ""
+    reason: str = ""
 
 
 def private(fallback: str, reason: str) -> Attachment:
@@ -64,16 +96,19 @@ def attach(
     any_size: bool,
     timeout_s: float = ATTACH_TIMEOUT_S,
     standby: bool = False,
+    wait_s: float = 0.0,
 ) -> Attachment:
     """Ask the holder at ``address`` for a pool of ``geometry`` and map it. ``standby``: while
     another live worker maps the pool, wait (asking every ``STANDBY_POLL_S``) and take it over
-    once that worker is gone, instead of falling back to a private pool."""
+    once that worker is gone, instead of falling back to a private pool; ``wait_s``: the same,
+    for that many seconds at most (a restarted group's rank, ``RANK_WAIT_S``)."""
     waited = False
+    deadline = time.monotonic() + wait_s
     while True:
         result = _attach_once(address, geometry, any_size, timeout_s)
-        if not standby or result.fallback != "in_use":
+        if result.fallback != "in_use" or not (standby or time.monotonic() < deadline):
             return result
-        if not waited:
+        if standby and not waited:
             log.info("standby: the model is loaded; waiting to take the KV pool over")
             waited = True
         time.sleep(STANDBY_POLL_S)
@@ -138,7 +173,78 @@ def _map(
     if header != (granted, pool_id, generation):
         mapping.close()
         return private("header", f"{path}'s header {header} is not the grant's")
-    return Attachment(mapping=mapping, pool_id=pool_id, generation=generation, geometry=granted)
+    return Attachment(
+        mapping=mapping, pool_id=pool_id, generation=generation, geometry=granted, path=path
+    )
+
+
+def agree(group: Group, mine: Attachment) -> Attachment:
+    """A group's attach (every rank calls it, with what it attached): the group's pools are
+    shared if every rank's is, all of one block count, and ``ranks`` then says what each rank
+    attached; else every rank drops its mapping, and the first failing rank's reason is the
+    group's."""
+    report = RankPool(
+        path=mine.path,
+        pool_id=mine.pool_id,
+        generation=mine.generation,
+        geometry=mine.geometry,
+        fallback=mine.fallback,
+        reason=mine.reason,
+    )
+    decoder = msgspec.msgpack.Decoder(RankPool)
+    ranks = [decoder.decode(b) for b in group.all_gather_bytes(msgspec.msgpack.encode(report))]
+    failed = [(rank, pool) for rank, pool in enumerate(ranks) if pool.geometry is None]
+    why = ("", "")
+    if failed:
+        rank, pool = failed[0]
+        why = (pool.fallback, f"rank {rank}: {pool.reason}")
+    elif len({pool.geometry.num_blocks for pool in ranks}) > 1:
+        counts = ", ".join(f"rank {r}: {pool.geometry.num_blocks}" for r, pool in enumerate(ranks))
+        why = ("geometry", f"the ranks' pools differ in blocks ({counts})")
+    if why[0] or why[1]:
+        if mine.mapping is not None:
+            mine.mapping.close()  # no tensor views it yet
+        return private(why[0] or "refused", why[1])
+    return replace(mine, ranks=tuple(ranks))
+
+
+class PeerPools:
+    """The leader's read-only maps of the other ranks' pools (every rank on this host), so
+    that a block's checksum covers every rank's shard of its K/V."""
+
+    def __init__(self, ranks: tuple[RankPool, ...], own: int) -> None:
+        self._mappings: list[mmap.mmap] = []
+        self.pools: list[np.ndarray] = []  # per other rank: (L, 2, H, blocks + 1, block bytes)
+        for rank, pool in enumerate(ranks):
+            if rank != own:
+                self._open(rank, pool)
+
+    def _open(self, rank: int, pool: RankPool) -> None:
+        g = pool.geometry
+        if g is None:  # ``agree`` shares only pools that every rank has
+            raise RuntimeError(f"rank {rank} has no shared pool: {pool.reason}")
+        size = HEADER_BYTES + pool_bytes(g)
+        fd = os.open(pool.path, os.O_RDONLY)
+        try:
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        header = unpack_header(mapping[:HEADER_BYTES])
+        if header != (g, pool.pool_id, pool.generation):
+            mapping.close()
+            raise RuntimeError(f"rank {rank}'s pool {pool.path}: header {header} is not its grant")
+        self._mappings.append(mapping)
+        block_bytes = g.block_size * g.head_dim * element_size(g.dtype)  # of one head
+        flat = np.frombuffer(mapping, dtype=np.uint8, count=pool_bytes(g), offset=HEADER_BYTES)
+        shape = (g.num_layers, 2, g.n_kv_heads, g.num_blocks + 1, block_bytes)
+        self.pools.append(flat.reshape(shape))
+
+    def checksum(self, block: int, crc: int) -> int:
+        """``crc`` (of the leader's shard) continued over every other rank's shard of
+        ``block``, in rank order."""
+        for pool in self.pools:
+            crc = zlib.crc32(np.ascontiguousarray(pool[:, :, :, block]), crc)
+        return crc
 
 
 def filled_blocks(step: StepInput, applied: list, block_size: int) -> list[int]:

@@ -44,6 +44,10 @@ class Group:
         """The smallest of every rank's ``value``."""
         return value
 
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every rank's ``payload``, rank 0's first, on every rank."""
+        return [payload]
+
     def send_message(self, payload: bytes | None) -> None:
         """Rank 0: broadcast one message's bytes (None: a keepalive)."""
 
@@ -103,6 +107,23 @@ class DistributedGroup(Group):
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
         return int(tensor.item())
+
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """See ``Group.all_gather_bytes``: the lengths first, then every payload padded to the
+        longest (all_gather wants equal shapes)."""
+        import torch.distributed as dist
+
+        length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        lengths = [torch.empty_like(length) for _ in range(self.size)]
+        dist.all_gather(lengths, length)
+        sizes = [int(n.item()) for n in lengths]
+        data = torch.zeros(max(sizes), dtype=torch.uint8)
+        data[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        data = data.to(self.device)
+        parts = [torch.empty_like(data) for _ in range(self.size)]
+        dist.all_gather(parts, data)
+        pairs = zip(parts, sizes, strict=True)
+        return [part[:size].cpu().numpy().tobytes() for part, size in pairs]
 
     def send_message(self, payload: bytes | None) -> None:
         """See ``Group.send_message``."""

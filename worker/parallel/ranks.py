@@ -50,9 +50,11 @@ def run_ranks(
     parallel: ParallelConfig,
     lead: Callable[[DistributedGroup], int],
     child: Callable[[int, int], tuple[list[str], dict[str, str]]],
+    holder: str | None = None,
 ) -> int:
     """Run this host's first rank (starting the others): rank 0 runs ``lead(group)``, any other
-    follows it. ``child(rank, port)`` is the command and environment of a local rank's process."""
+    follows it. ``child(rank, port)`` is the command and environment of a local rank's process.
+    ``holder``: the pool holder's address, where a rank asks for its pool (``--shared-kv-pool``)."""
 
     from worker.parallel.group import DistributedGroup
     from worker.plan import resolve_device
@@ -77,7 +79,7 @@ def run_ranks(
         )
         if rank == 0:
             return lead(group)
-        code = _follow(config, group)
+        code = _follow(config, group, holder)
         group.close()
         return code
     finally:
@@ -114,15 +116,16 @@ def check_fits(config: WorkerConfig, size: int) -> None:
     Shard.of(ModelSpec.from_config(load_config(resolve_model(config.model))), 0, size)
 
 
-def _follow(config: WorkerConfig, group: DistributedGroup) -> int:
-    """A rank other than 0: build its share of the worker, then follow the leader."""
+def _follow(config: WorkerConfig, group: DistributedGroup, holder: str | None) -> int:
+    """A rank other than 0: build its share of the worker (its pool the holder's at ``holder``,
+    with ``--shared-kv-pool``), then follow the leader."""
     from worker.parallel.steps import follow
     from worker.worker import Worker
 
     if os.environ.get("NANOSERVE_TP_SPAWNED"):  # the leader ends it: Shutdown, or its death
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_IGN)
-    return follow(Worker(config, progress=False, group=group))
+    return follow(Worker(config, progress=False, group=group, holder=holder))
 
 
 def _store(parallel: ParallelConfig, rank: int) -> TCPStore:
