@@ -8,7 +8,7 @@ import msgspec
 
 from protocol.stats import EngineStats
 
-PROTOCOL_VERSION = 7  # 7: draft tokens (StepItem.num_draft); 6: CompileGrammar
+PROTOCOL_VERSION = 8  # 8: partial blocks' sums (verify_ranges, range_sums); 7: draft tokens
 
 PENDING_TOKEN = -1
 """A token the scheduler has not seen yet: the one the worker sampled for this row in the
