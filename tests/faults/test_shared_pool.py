@@ -314,6 +314,75 @@ async def test_a_corrupted_held_block_is_named_and_recomputed(pool_server):
     )
 
 
+def kept_rows(run_id: str, timeout: float = 30.0) -> dict[str, tuple[int, list[int]]]:
+    """The running requests kept across a worker's death, as (tokens computed, block ids), from
+    a snapshot the scheduler sent while it waits for the next worker (bounded)."""
+    import msgspec
+    import zmq
+
+    from protocol.addresses import default_addresses
+    from protocol.monitor import PoolSnapshot
+
+    context = zmq.Context.instance()
+    socket = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    socket.connect(default_addresses(run_id).monitor)
+    decoder = msgspec.msgpack.Decoder(PoolSnapshot)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if socket.poll(200):
+                snapshot = decoder.decode(socket.recv())
+                if snapshot.health is None or snapshot.health.worker != "lost":
+                    continue
+                rows = {r.request_id: (r.num_computed, list(r.blocks)) for r in snapshot.requests}
+                return {rid: row for rid, row in rows.items() if row[1]}
+        raise AssertionError("no snapshot while the worker was lost")
+    finally:
+        socket.close(0)
+
+
+async def test_a_corrupted_slot_of_a_kept_partial_block_is_named_and_recomputed(pool_server):
+    """Bytes flipped in slot 0 of a kept request's partial last block (K/V its answered steps
+    wrote) are caught by the check of that block's slot ranges: the block, the request and the
+    slots are named, the request is recomputed, and no token comes from the flipped bytes."""
+    server = pool_server
+    prompts = [long_prompt(50 + i, words=200 + 3 * i) for i in range(4)]
+    async with aiohttp.ClientSession() as session:
+        calm, tasks = start_streams(session, server, [body(p, "p-calm") for p in prompts])
+        await asyncio.wait_for(asyncio.gather(*tasks), 300.0)
+        before = await asyncio.to_thread(server.metrics)
+        mark = server.log_size("scheduler")
+        streams, tasks = start_streams(session, server, [body(p, "p-kill") for p in prompts])
+        deadline = time.monotonic() + 300.0
+        while not all(len(s.times) >= 3 for s in streams):
+            assert time.monotonic() < deadline, server.logs()
+            await asyncio.sleep(0.01)
+        os.kill(server.child_pid("worker"), signal.SIGKILL)
+        rows = await asyncio.to_thread(kept_rows, server.run_id)  # rolled back: answered only
+        size = 16
+        partial = [(rid, n, blocks) for rid, (n, blocks) in rows.items() if n % size]
+        assert partial, rows
+        victim, computed, blocks = partial[0]
+        block = blocks[computed // size]
+        flip_block(server.run_id, block)  # its slot 0, before the new worker's check
+        await asyncio.wait_for(asyncio.gather(*tasks), 300.0)
+    for after, undisturbed in zip(streams, calm, strict=True):
+        assert after.done and not after.errors, after.errors
+        assert after.text == undisturbed.text  # no token came from the flipped bytes
+    log = (server.log_dir / "scheduler.log").read_bytes()[mark:].decode()
+    named = (
+        rf"KV block {block} fails its checksum after the re-attach \(held by {victim}; slots 0 "
+        r"to \d+ of its partial last block\): recomputing"
+    )
+    assert re.search(named, log), server.logs()
+    metrics = await assert_pool_empty(server)
+    assert metrics["nanoserve:kv_pool_reattaches_total"] == (
+        before["nanoserve:kv_pool_reattaches_total"] + 1
+    )
+
+
 @pytest.mark.parametrize("change", [{"num_blocks": 96}, {"kv_cache_dtype": "float16"}])
 def test_another_geometry_between_starts_falls_back_with_one_line(tmp_path, change):
     from tests.servers import start_server
