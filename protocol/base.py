@@ -8,9 +8,10 @@ import msgspec
 
 from protocol.stats import EngineStats
 
-# 8: a KV pool per tensor-parallel rank (PoolGeometry.rank, WorkerReady.pool_ranks);
-# 7: draft tokens (StepItem.num_draft); 6: CompileGrammar
-PROTOCOL_VERSION = 8
+# 9: partial blocks' sums (StepInput.verify_ranges, StepResult.range_sums); 8: a KV pool per
+# tensor-parallel rank (PoolGeometry.rank, WorkerReady.pool_ranks); 7: draft tokens
+# (StepItem.num_draft); 6: CompileGrammar
+PROTOCOL_VERSION = 9
 
 PENDING_TOKEN = -1
 """A token the scheduler has not seen yet: the one the worker sampled for this row in the

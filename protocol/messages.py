@@ -131,6 +131,9 @@ class StepInput(Message):
     # Blocks whose K/V checksums the worker returns before running any item: after a
     # re-attach, the scheduler checks the kept K/V against the sums it recorded (docs/kv_pool.md).
     verify_blocks: list[int] = []
+    # (block, first slot, end slot): slot ranges of partial blocks whose sums the worker returns
+    # with ``verify_blocks``' (``StepResult.range_sums``).
+    verify_ranges: list[tuple[int, int, int]] = []
 
 
 class Shutdown(Message):
@@ -216,6 +219,10 @@ class StepResult(Message):
     # (block, CRC-32 of its K/V bytes, every layer) for each block this step filled, on a
     # shared pool, and for each of the step's ``verify_blocks``.
     block_sums: list[tuple[int, int]] = []
+    # (block, first slot, end slot, CRC-32 of those slots' K/V, every layer) for the slots each
+    # item wrote into a block it left partial (the row's last), on a shared pool, and for each
+    # of the step's ``verify_ranges``.
+    range_sums: list[tuple[int, int, int, int]] = []
 
 
 class WorkerReady(Message):

@@ -19,7 +19,6 @@ holds it, ``grammar_compiled`` queues it.
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from typing import Protocol
 
@@ -38,12 +37,10 @@ from scheduler.engine_requests import EngineRequests
 from scheduler.grammar_gate import GrammarGate
 from scheduler.in_process import InProcessRuns
 from scheduler.kv_events import KvEventLog
-from scheduler.pool_sums import PoolSums
+from scheduler.pool_sums import Check, PoolSums
 from scheduler.restarts import RestartLog, can_reattach, written_blocks
 from scheduler.scheduler import Scheduler
 from scheduler.sizing import build_scheduler, geometry, move_to_pool
-
-log = logging.getLogger("nanoserve.scheduler")
 
 
 class WorkerLike(Protocol):
@@ -86,7 +83,7 @@ class Engine(EngineRequests, InProcessRuns):
         self._in_flight: deque[tuple[Batch, StepInput, list[int]]] = deque()
         self.restarts = RestartLog()
         self.sums = PoolSums()
-        self._verify: list[int] | None = None  # kept blocks to check before the next step
+        self._verify: Check | None = None  # kept K/V to check before the next step
         self._verifying: int | None = None  # the step id that checks them, while in flight
         self.checks = 0  # such checks applied
         self._next_step_id = 0
@@ -214,7 +211,7 @@ class Engine(EngineRequests, InProcessRuns):
             return None
         return self._send(batch)
 
-    def _send(self, batch: Batch, verify: list[int] | None = None) -> StepInput:
+    def _send(self, batch: Batch, verify: Check | None = None) -> StepInput:
         """The StepInput of ``batch`` (or of a check of ``verify``'s sums), now in flight."""
         step = StepInput(
             step_id=self._next_step_id,
@@ -222,7 +219,8 @@ class Engine(EngineRequests, InProcessRuns):
             released_slots=batch.released_slots,
             audit=self.config.audit,
             rewinds=batch.rewinds,
-            verify_blocks=verify or [],
+            verify_blocks=verify.blocks if verify else [],
+            verify_ranges=verify.ranges if verify else [],
         )
         if verify:
             self._verify, self._verifying = None, step.step_id
@@ -240,10 +238,10 @@ class Engine(EngineRequests, InProcessRuns):
         if result.step_id == self._verifying:
             self._verifying = None
             self.checks += 1
-            self._check_sums(result.block_sums)
+            self.sums.check(result.block_sums, result.range_sums, self.scheduler)
             return []
         if self.ready_info is not None and self.ready_info.pool_id:
-            self.sums.record(batch, result.block_sums, self.scheduler)
+            self.sums.record(batch, result.block_sums, self.scheduler, result.range_sums)
         self._busy_s += result.forward_s
         tokens, fill, apply = self._grammar
         self._grammar = (
@@ -273,18 +271,6 @@ class Engine(EngineRequests, InProcessRuns):
                 scheduler.finish(request, reason)
             outputs.append(request_output(request, sample, reason, gained))
         return outputs
-
-    def _check_sums(self, reported: list[tuple[int, int]]) -> None:
-        """After a re-attach: recompute whoever holds a block whose K/V is not what was
-        written, naming it (never serve a token computed from it)."""
-        for block in self.sums.mismatches(reported):
-            holders = self.scheduler.drop_corrupt(block)
-            log.error(
-                "KV block %d fails its checksum after the re-attach (held by %s): %s",
-                block,
-                ", ".join(holders) or "no request, cached-free",
-                "recomputing" if holders else "dropped from the prefix cache",
-            )
 
     def audit(self, rows: list[RowSummary] | None = None) -> None:
         """Check every invariant (InvariantViolation), between iterations. ``rows`` are the

@@ -121,6 +121,7 @@ class SimWorker:
             del row.block_ids[rewind.num_blocks :]
             row.num_cached, row.last_sampled = rewind.num_cached, None
         sums = [(block, self.checksum(block)) for block in step.verify_blocks]
+        ranges = [(b, a, e, self.checksum(b, a, e)) for b, a, e in step.verify_ranges]
         samples = []
         size = len(self._kv[0])
         for item in step.items:
@@ -135,6 +136,9 @@ class SimWorker:
                 samples.append(sample)
             table, end = self._rows[item.slot].block_ids, item.start + len(item.token_ids)
             sums += [(b, self.checksum(b)) for b in table[item.start // size : end // size]]
+            if end % size:  # the slots it wrote into the block it leaves partial
+                b, a = table[end // size], max(item.start, end - end % size) % size
+                ranges.append((b, a, end % size, self.checksum(b, a, end % size)))
         rows = self.rows() if step.audit else None
         return StepResult(
             step_id=step.step_id,
@@ -142,11 +146,13 @@ class SimWorker:
             rows=rows,
             forward_s=time.perf_counter() - began,
             block_sums=sums,
+            range_sums=ranges,
         )
 
-    def checksum(self, block: int) -> int:
-        """CRC-32 of a block's simulated K/V, as the real worker sums its blocks' bytes."""
-        return zlib.crc32(self._kv[block].tobytes())
+    def checksum(self, block: int, first: int = 0, end: int | None = None) -> int:
+        """CRC-32 of a block's simulated K/V (of its slots ``[first, end)``), as the real
+        worker sums its blocks' bytes."""
+        return zlib.crc32(self._kv[block][first:end].tobytes())
 
     def _run_item(self, item: StepItem) -> int | None:
         if not 0 <= item.slot < len(self._rows):

@@ -55,10 +55,12 @@ def run_worker(
     when the worker is several ranks (``worker.parallel.ranks``); the others follow what this one
     does.
     """
+    from worker.faults import arm_from_environment
     from worker.parallel.group import SOLO
     from worker.worker import Worker  # torch loads here, not at import time of this module
 
     worker = Worker(config, group=group or SOLO, background_compile=True, holder=addresses.holder)
+    arm_from_environment(worker)  # a test's fault injector (worker.faults); unset: nothing
     ready = worker.ready()
     _log_ready(worker, ready)
     context = zmq.Context()

@@ -27,7 +27,7 @@ from worker.config import WorkerConfig
 from worker.cpu.machine import bound_onednn_cache
 from worker.cpu.threads import ThreadGovernor
 from worker.grammar import grammar_masks
-from worker.kv.shared import filled_blocks
+from worker.kv.shared import filled_blocks, partial_ranges
 from worker.loading import load, make_cache
 from worker.model.ops import ModelOps
 from worker.parallel import steps as tp_steps
@@ -181,12 +181,16 @@ class Worker:
                 step = tp_steps.lead(self.group, step, self.row_table)
             self.row_table.check(step, self.spec.vocab_size)
             # Only the leader answers the scheduler: it sums every rank's shard of a block.
-            verify = step.verify_blocks if self.group.leader else []
+            leader = self.group.leader
+            verify = step.verify_blocks if leader else []
             verified = [(b, self.cache.checksum(b)) for b in verify if self._known(b)]
+            bs = self.config.block_size
+            asked = step.verify_ranges if leader else []
+            ranges = [r for r in asked if self._known(r[0]) and 0 <= r[1] < r[2] <= bs]
+            verified_ranges = self.cache.range_sums(ranges)
             self.row_table.release(step.released_slots)
             self.row_table.rewind(step.rewinds)
             applied = [self.row_table.apply(item) for item in step.items]
-            bs = self.config.block_size
             self.cache.zero_blocks([b for item in step.items for b in written_blocks(item, bs)])
             for item in step.items:
                 if item.attached and item.start % bs:  # its last block's head holds K/V
@@ -216,9 +220,10 @@ class Worker:
             with torch.inference_mode():  # everything: compiled graphs guard on it
                 launched = self.runner.queue(step, applied, sampled, start_masks, early, audit)
             launched.launch_s = time.perf_counter() - began
-            launched.verified = verified
-            if self.cache.attachment.mapping is not None and self.group.leader:  # sum what fills
+            launched.verified, launched.verified_ranges = verified, verified_ranges
+            if self.cache.attachment.mapping is not None and leader:  # sum what it writes
                 launched.filled = filled_blocks(step, applied, self.config.block_size)
+                launched.partial = partial_ranges(step, applied, self.config.block_size)
             self._in_flight.append(launched)
             return launched
         finally:
@@ -238,6 +243,7 @@ class Worker:
             self._step_ended = time.monotonic()
         masks = launched.masks
         sums = launched.verified + [(b, self.cache.checksum(b)) for b in launched.filled]
+        range_sums = launched.verified_ranges + self.cache.range_sums(launched.partial)
         result = StepResult(
             step_id=launched.step.step_id,
             samples=samples,
@@ -250,6 +256,7 @@ class Worker:
             decode_path=self.decode_path,
             num_threads=torch.get_num_threads(),
             block_sums=sums,
+            range_sums=range_sums,
         )
         self.threads.after_step(result.forward_s)  # the next step may run on another count
         return result

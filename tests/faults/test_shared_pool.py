@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import signal
 import time
 
@@ -94,6 +95,85 @@ async def kill_mid_stream(session, server, bodies, roles: tuple[str, ...], after
     await asyncio.wait_for(asyncio.gather(*tasks), 300.0)
     gaps = [s.times[c] - killed for s, c in zip(streams, counts, strict=True) if len(s.times) > c]
     return streams, gaps
+
+
+# The kill inside a step (worker.faults): a token budget of 64 prefills a long prompt in chunks
+# of 60 beside four decoding streams, [960, 1020) among them, which ends inside block 63; the
+# worker SIGKILLs itself after layer 14 (of 30) of that step wrote its K/V. Function scope: the
+# injector arms only in the pool's first worker, and this server stops before pool_server starts.
+FAULT_POSITION, FAULT_LAYER, FAULT_BUDGET = 1000, 14, 64
+fault_server = server_fixture(
+    scope="function",
+    roles=("kv-holder", *ROLES),
+    supervised=SUPERVISED,
+    audit=1,
+    dtype="float32",
+    shared_kv_pool=1,
+    num_blocks=256,
+    num_slots=16,
+    threads=2,
+    token_budget=FAULT_BUDGET,
+    fault_kill_at=f"{FAULT_POSITION}:{FAULT_LAYER}",
+)
+
+
+def fault_items(log: str) -> tuple[int, list[tuple[int, int, bool]]]:
+    """The injector's line in a worker log: the step it killed and its items as (start,
+    tokens, sampled)."""
+    found = re.search(r"fault injector: SIGKILL in step (\d+) after layer (\d+).*: (.*)", log)
+    assert found is not None, log[-3000:]
+    assert int(found[2]) == FAULT_LAYER
+    items = re.findall(r"\d+:(\d+)\+(\d+)(s?)", found[3])
+    return int(found[1]), [(int(a), int(n), bool(s)) for a, n, s in items]
+
+
+async def test_a_kill_inside_a_step_that_wrote_part_of_a_block_keeps_the_text(fault_server):
+    """SIGKILL inside a step, between two layers' K/V writes, while a prefill chunk writes the
+    head of a block and decode rows write one slot each: the restarted worker re-attaches, the
+    kept rows' half-written tails are never read, and every stream ends with the text of an
+    undisturbed run; only the steps in flight are computed again, and every audit passes."""
+    server = fault_server
+    # Of different lengths: the decode rows write different slots of their blocks.
+    shorts = [f"Write a long story about a {'very ' * i}old lighthouse keeper." for i in range(4)]
+    long = long_prompt(40, words=1100)  # about 1,100 tokens: past FAULT_POSITION
+    mark = server.log_size("worker")
+    async with aiohttp.ClientSession() as session:
+
+        async def run(salt: str) -> list:
+            """Four streams decoding, then the long prompt beside them."""
+            streams, tasks = start_streams(session, server, [body(p, salt, 64) for p in shorts])
+            deadline = time.monotonic() + 120.0
+            while not all(len(s.times) >= 2 for s in streams):
+                assert time.monotonic() < deadline and not any(t.done() for t in tasks), (
+                    server.logs()
+                )
+                await asyncio.sleep(0.01)
+            more, late = start_streams(session, server, [body(long, salt, 16)])
+            await asyncio.wait_for(asyncio.gather(*tasks, *late), 300.0)
+            return streams + more
+
+        killed = await run("kill")  # the first worker dies in it
+        calm = await run("calm")  # its successor is not armed: an undisturbed run
+    step, items = fault_items((server.log_dir / "worker.log").read_text()[mark:])
+    size = 16
+    chunk = [(a, n) for a, n, _ in items if a <= FAULT_POSITION < a + n]
+    assert chunk and chunk[0][1] > 1 and sum(chunk[0]) % size, (step, items)  # ends mid-block
+    decodes = [(a, n) for a, n, sampled in items if n == 1 and sampled]
+    assert len(decodes) == len(shorts), (step, items)
+    for after, undisturbed in zip(killed, calm, strict=True):
+        assert after.done and not after.errors, after.errors
+        assert after.text == undisturbed.text
+    metrics = await assert_pool_empty(server)
+    assert metrics["nanoserve:scheduler_workers_lost_total"] == 1, server.logs()
+    assert metrics["nanoserve:kv_pool_reattaches_total"] == 1, server.logs()
+    fallbacks = [v for k, v in metrics.items() if k.startswith("nanoserve:kv_pool_fallbacks")]
+    assert sum(fallbacks) == 0, server.logs()
+    # The killed step's tokens, and at most one more step's (overlap), are computed again.
+    recomputed = metrics["nanoserve:worker_restart_tokens_recomputed_last"]
+    assert 0 < recomputed <= sum(n for _, n, _ in items) + FAULT_BUDGET, (recomputed, items)
+    log = (server.log_dir / "scheduler.log").read_text()
+    assert "re-attached" in log and "fails its checksum" not in log, server.logs()
+    record("kill_in_step_tokens_recomputed", recomputed)
 
 
 async def test_sigkilled_worker_reattaches_recomputing_only_its_steps_in_flight(pool_server):
@@ -233,6 +313,75 @@ async def test_a_corrupted_held_block_is_named_and_recomputed(pool_server):
     assert f"KV block {blocks[0]} fails its checksum after the re-attach (held by {victim}" in (
         log
     ), server.logs()
+    metrics = await assert_pool_empty(server)
+    assert metrics["nanoserve:kv_pool_reattaches_total"] == (
+        before["nanoserve:kv_pool_reattaches_total"] + 1
+    )
+
+
+def kept_rows(run_id: str, timeout: float = 30.0) -> dict[str, tuple[int, list[int]]]:
+    """The running requests kept across a worker's death, as (tokens computed, block ids), from
+    a snapshot the scheduler sent while it waits for the next worker (bounded)."""
+    import msgspec
+    import zmq
+
+    from protocol.addresses import default_addresses
+    from protocol.monitor import PoolSnapshot
+
+    context = zmq.Context.instance()
+    socket = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    socket.connect(default_addresses(run_id).monitor)
+    decoder = msgspec.msgpack.Decoder(PoolSnapshot)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if socket.poll(200):
+                snapshot = decoder.decode(socket.recv())
+                if snapshot.health is None or snapshot.health.worker != "lost":
+                    continue
+                rows = {r.request_id: (r.num_computed, list(r.blocks)) for r in snapshot.requests}
+                return {rid: row for rid, row in rows.items() if row[1]}
+        raise AssertionError("no snapshot while the worker was lost")
+    finally:
+        socket.close(0)
+
+
+async def test_a_corrupted_slot_of_a_kept_partial_block_is_named_and_recomputed(pool_server):
+    """Bytes flipped in slot 0 of a kept request's partial last block (K/V its answered steps
+    wrote) are caught by the check of that block's slot ranges: the block, the request and the
+    slots are named, the request is recomputed, and no token comes from the flipped bytes."""
+    server = pool_server
+    prompts = [long_prompt(50 + i, words=200 + 3 * i) for i in range(4)]
+    async with aiohttp.ClientSession() as session:
+        calm, tasks = start_streams(session, server, [body(p, "p-calm") for p in prompts])
+        await asyncio.wait_for(asyncio.gather(*tasks), 300.0)
+        before = await asyncio.to_thread(server.metrics)
+        mark = server.log_size("scheduler")
+        streams, tasks = start_streams(session, server, [body(p, "p-kill") for p in prompts])
+        deadline = time.monotonic() + 300.0
+        while not all(len(s.times) >= 3 for s in streams):
+            assert time.monotonic() < deadline, server.logs()
+            await asyncio.sleep(0.01)
+        os.kill(server.child_pid("worker"), signal.SIGKILL)
+        rows = await asyncio.to_thread(kept_rows, server.run_id)  # rolled back: answered only
+        size = 16
+        partial = [(rid, n, blocks) for rid, (n, blocks) in rows.items() if n % size]
+        assert partial, rows
+        victim, computed, blocks = partial[0]
+        block = blocks[computed // size]
+        flip_block(server.run_id, block)  # its slot 0, before the new worker's check
+        await asyncio.wait_for(asyncio.gather(*tasks), 300.0)
+    for after, undisturbed in zip(streams, calm, strict=True):
+        assert after.done and not after.errors, after.errors
+        assert after.text == undisturbed.text  # no token came from the flipped bytes
+    log = (server.log_dir / "scheduler.log").read_bytes()[mark:].decode()
+    named = (
+        rf"KV block {block} fails its checksum after the re-attach \(held by {victim}; slots 0 "
+        r"to \d+ of its partial last block\): recomputing"
+    )
+    assert re.search(named, log), server.logs()
     metrics = await assert_pool_empty(server)
     assert metrics["nanoserve:kv_pool_reattaches_total"] == (
         before["nanoserve:kv_pool_reattaches_total"] + 1

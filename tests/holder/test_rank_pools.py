@@ -157,3 +157,22 @@ def test_a_peer_pool_whose_header_is_not_its_grant_is_refused(holder) -> None:
     stale = msgspec.structs.replace(report(one), generation=one.generation + 1)
     with pytest.raises(RuntimeError, match="rank 1's pool .* is not its grant"):
         PeerPools((report(zero), stale), 0)
+
+
+def test_the_leaders_range_sums_cover_every_ranks_shard_of_the_slots(holder) -> None:
+    """A partial block's sum (slots [first, end)) continues over every rank's shard of those
+    slots only: a change in another rank's slot inside the range changes it, one outside the
+    range does not."""
+    zero, one = mapped(holder, 0), mapped(holder, 1)
+    leader, follower = cache(zero), cache(one)
+    torch.manual_seed(0)
+    for pool in (leader.pool, follower.pool):
+        pool[:, :, :, 1:4] = torch.randn_like(pool[:, :, :, 1:4])
+    alone = leader.range_sums([(3, 1, 3)])
+    leader.peers = PeerPools((report(zero), report(one)), 0)
+    (before,) = leader.range_sums([(3, 1, 3)])
+    assert before[:3] == (3, 1, 3) and before != alone[0]
+    follower.pool[1, 1, 0, 3, 3, 5] += 1.0  # rank 1's V, layer 1, block 3, slot 3: outside
+    assert leader.range_sums([(3, 1, 3)]) == [before]
+    follower.pool[1, 1, 0, 3, 2, 5] += 1.0  # slot 2: inside the range
+    assert leader.range_sums([(3, 1, 3)]) != [before]

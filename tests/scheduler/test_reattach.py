@@ -263,3 +263,124 @@ def test_the_audit_checks_the_rows_kept_across_a_reattach() -> None:
     kept.num_pending = 1  # corrupt one thing: a kept request with a pending token
     with pytest.raises(InvariantViolation, match="kept across a re-attach, has 1 pending"):
         engine.audit(rows)
+
+
+def _running_mid_block(engine: Engine, tokens: dict[str, list[int]]) -> None:
+    """Step until, with as many steps in flight as may be, a running request's answered tokens
+    end inside a block: a worker that dies now leaves it a partial last block."""
+    size = engine.scheduler.allocator.block_size
+    for _ in range(40):
+        while engine.can_plan() and engine.plan() is not None:
+            pass
+        unanswered: dict[str, int] = {}
+        for step in engine.in_flight:
+            for item in step.items:
+                unanswered[item.request_id] = unanswered.get(item.request_id, 0) + len(
+                    item.token_ids
+                )
+        if any(
+            (r.num_computed - unanswered.get(r.request_id, 0)) % size
+            for r in engine.scheduler.running
+        ):
+            return
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    raise AssertionError("no running request ends inside a block")
+
+
+def _partial_victim(engine: Engine) -> tuple[str, int, int]:
+    """After the kill: a kept request with a partial last block, that block, and how many of
+    its slots hold the request's K/V."""
+    size = engine.scheduler.allocator.block_size
+    for request in engine.scheduler.running:
+        if request.num_computed % size:
+            block = request.block_ids[request.num_computed // size]
+            return request.request_id, block, request.num_computed % size
+    raise AssertionError("no kept request ends inside a block")
+
+
+def _start(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, PARAMS)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for _ in range(3):
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    _running_mid_block(engine, tokens)
+    return tokens
+
+
+def _finish(engine: Engine, tokens: dict[str, list[int]]) -> dict[str, list[int]]:
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    return tokens
+
+
+def test_a_reattach_checks_every_slot_of_the_partial_blocks() -> None:
+    """The check after a re-attach asks, for each kept request with a partial last block, for
+    ranges that tile exactly the slots its answered steps wrote there."""
+    engine = _engine()
+    _start(engine, make_prompts(4, 10, vocab_size=1000, seed=3))
+    _kill_and_reattach(engine)
+    check = engine.plan()
+    size = engine.scheduler.allocator.block_size
+    partial = {
+        r.block_ids[r.num_computed // size]: r.num_computed % size
+        for r in engine.scheduler.running
+        if r.num_computed % size
+    }
+    assert partial and not check.items
+    asked: dict[int, list[int]] = {}
+    for block, first, end in check.verify_ranges:
+        asked.setdefault(block, []).extend(range(first, end))
+    assert asked == {block: list(range(n)) for block, n in partial.items()}
+
+
+def test_a_corrupted_slot_of_a_partial_block_is_named_and_its_request_recomputed(caplog) -> None:
+    """A flipped slot in a kept request's partial last block (one its answered steps wrote) is
+    caught by the check of that block's slot ranges: named, and the request recomputed."""
+    prompts = make_prompts(4, 10, vocab_size=1000, seed=3)
+    undisturbed, _ = _run(_engine(), prompts, None, False)
+    engine = _engine()
+    tokens = _start(engine, prompts)
+    engine.worker_lost(keep=True)
+    victim, block, written = _partial_victim(engine)
+    slot = written - 1  # the last slot its answered steps wrote
+    [(first, end)] = [(a, e) for a, e, _ in engine.sums.ranges[block] if a <= slot < e]
+    successor = engine.worker.successor()
+    successor.corrupt(block, offset=slot)
+    engine.worker = successor
+    assert engine.fit(successor.ready()) == []
+    with caplog.at_level("ERROR", logger="nanoserve.scheduler"):
+        _finish(engine, tokens)
+    assert (
+        f"KV block {block} fails its checksum after the re-attach (held by {victim}; slots "
+        f"{first} to {end - 1} of its partial last block): recomputing"
+    ) in caplog.text, caplog.text
+    assert engine.sums.corrupt_total == 1
+    assert tokens == undisturbed  # the corrupted K/V never produced a token
+
+
+def test_the_partial_block_check_fires_on_one_corrupted_recorded_sum(caplog) -> None:
+    """Corrupt exactly one recorded sum, of one slot range of a kept request's partial block:
+    the check names that block and request, and the request is recomputed to the same text."""
+    prompts = make_prompts(4, 10, vocab_size=1000, seed=3)
+    undisturbed, _ = _run(_engine(), prompts, None, False)
+    engine = _engine()
+    tokens = _start(engine, prompts)
+    engine.worker_lost(keep=True)
+    victim, block, _ = _partial_victim(engine)
+    first, end, crc = engine.sums.ranges[block][0]
+    engine.sums.ranges[block][0] = (first, end, crc ^ 1)
+    engine.worker = engine.worker.successor()
+    assert engine.fit(engine.worker.ready()) == []
+    with caplog.at_level("ERROR", logger="nanoserve.scheduler"):
+        _finish(engine, tokens)
+    assert (
+        f"KV block {block} fails its checksum after the re-attach (held by {victim}; slots "
+        f"{first} to {end - 1} of its partial last block): recomputing"
+    ) in caplog.text, caplog.text
+    assert engine.sums.corrupt_total == 1
+    assert engine.restarts.reattaches == 1
+    assert tokens == undisturbed

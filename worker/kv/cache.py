@@ -118,6 +118,31 @@ class KVCache:
         crc = zlib.crc32(data.cpu().numpy())
         return self.peers.checksum(block, crc) if self.peers is not None else crc
 
+    def range_sums(self, ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+        """(block, first, end, CRC-32) for each (block, first, end): the sum of slots ``[first,
+        end)`` of a block's K/V, slot by slot, each slot every layer, K then V (what the
+        scheduler records for a block a step left partial: docs/kv_pool.md); on a tensor-parallel
+        leader, continued over every other rank's shard of those slots. One gather for them
+        all: a decode step asks one slot a row."""
+        if not ranges:
+            return []
+        size = self.block_size
+        positions = [
+            block * size + slot for block, first, end in ranges for slot in range(first, end)
+        ]
+        index = torch.tensor(positions, device=self.pool.device)
+        gathered = self._flat.index_select(3, index)  # (L, 2, H, N, hd)
+        slots = gathered.permute(3, 0, 1, 2, 4).contiguous()  # (N, L, 2, H, hd)
+        data = slots.view(torch.uint8).view(len(positions), -1).cpu().numpy()
+        sums, at = [], 0
+        for block, first, end in ranges:
+            crc = zlib.crc32(data[at : at + end - first])
+            if self.peers is not None:  # a tensor-parallel leader: every rank's shard
+                crc = self.peers.range_checksum(block, first, end, crc)
+            sums.append((block, first, end, crc))
+            at += end - first
+        return sums
+
     def layers(self) -> torch.Tensor:
         """Every layer's K and V, (num_layers, 2, n_kv_heads, (num_blocks + 1) * block_size,
         head_dim)."""

@@ -234,6 +234,7 @@ class PeerPools:
             mapping.close()
             raise RuntimeError(f"rank {rank}'s pool {pool.path}: header {header} is not its grant")
         self._mappings.append(mapping)
+        self.block_size = g.block_size
         block_bytes = g.block_size * g.head_dim * element_size(g.dtype)  # of one head
         flat = np.frombuffer(mapping, dtype=np.uint8, count=pool_bytes(g), offset=HEADER_BYTES)
         shape = (g.num_layers, 2, g.n_kv_heads, g.num_blocks + 1, block_bytes)
@@ -245,6 +246,29 @@ class PeerPools:
         for pool in self.pools:
             crc = zlib.crc32(np.ascontiguousarray(pool[:, :, :, block]), crc)
         return crc
+
+    def range_checksum(self, block: int, first: int, end: int, crc: int) -> int:
+        """``crc`` (of the leader's slots ``[first, end)`` of ``block``) continued over every
+        other rank's shard of those slots, rank by rank, slot by slot (as the leader's own)."""
+        for pool in self.pools:
+            slot = pool.shape[-1] // self.block_size  # bytes of one slot of one head
+            for at in range(first, end):
+                piece = pool[:, :, :, block, at * slot : (at + 1) * slot]  # (L, 2, H, slot)
+                crc = zlib.crc32(np.ascontiguousarray(piece), crc)
+        return crc
+
+
+def partial_ranges(step: StepInput, applied: list, block_size: int) -> list[tuple[int, int, int]]:
+    """(block, first slot, end slot) for each item of ``step`` whose tokens end inside a block:
+    the slots it writes into the row's last, partial block, which the worker sums on a shared
+    pool (a block it fills is summed whole: ``filled_blocks``)."""
+    ranges = []
+    for item, (row, _) in zip(step.items, applied, strict=True):
+        end = item.start + len(item.token_ids)
+        if end % block_size:
+            first = max(item.start, end - end % block_size) % block_size
+            ranges.append((row.block_table[end // block_size], first, end % block_size))
+    return ranges
 
 
 def filled_blocks(step: StepInput, applied: list, block_size: int) -> list[int]:

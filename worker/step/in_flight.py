@@ -41,6 +41,10 @@ class Launched:
     wait_s: float = 0.0  # the host's seconds waiting for it
     filled: list[int] = field(default_factory=list)  # blocks it fills: summed once it is done
     verified: list[tuple[int, int]] = field(default_factory=list)  # its verify_blocks' sums
+    # the slots it writes into blocks it leaves partial, summed once it is done, and the sums
+    # of its verify_ranges
+    partial: list[tuple[int, int, int]] = field(default_factory=list)
+    verified_ranges: list[tuple[int, int, int, int]] = field(default_factory=list)
     _tokens: list[int] | None = field(default=None, repr=False)
 
     def done(self) -> bool:
