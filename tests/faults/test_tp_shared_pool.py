@@ -22,7 +22,9 @@ from tests.faults.test_shared_pool import body, flip_block, long_prompt, running
 from tests.faults.test_tensor_parallel import _kill_group
 from tests.servers import ROLES, Server, children, server_fixture
 
-pytestmark = pytest.mark.slow
+# Serial: a group of three float32 ranks, its holder and a stack beside another test process's
+# servers needs more memory than the two-process pass leaves.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 SIZE = 3  # SmolLM2-135M: 9 query heads, 3 KV heads: one KV head a rank
 

@@ -64,7 +64,7 @@ def real_prompts(real_files):
     return [tok(p)["input_ids"] for p in PROMPTS]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def real_reference(real_files, real_prompts):
     """transformers' model (loaded once) and its greedy continuation of every prompt."""
     from transformers import AutoModelForCausalLM
@@ -76,12 +76,12 @@ def real_reference(real_files, real_prompts):
     return model, [hf_greedy(model, p, MAX_NEW, eos) for p in real_prompts]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def real_worker():
     return make_worker(None, block_size=16, num_blocks=512, num_slots=16)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def real_generic_worker():
     """The code CUDA runs, on CPU (``generic_path``)."""
     worker = make_worker(None, block_size=16, num_blocks=512, num_slots=16, generic_path=True)
