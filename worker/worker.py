@@ -182,12 +182,9 @@ class Worker:
             self.row_table.check(step, self.spec.vocab_size)
             # Only the leader answers the scheduler: it sums every rank's shard of a block.
             leader = self.group.leader
-            verify = step.verify_blocks if leader else []
-            verified = [(b, self.cache.checksum(b)) for b in verify if self._known(b)]
+            asked = (step.verify_blocks, step.verify_ranges) if leader else ([], [])
+            verified, verified_ranges = self.cache.asked_sums(*asked)
             bs = self.config.block_size
-            asked = step.verify_ranges if leader else []
-            ranges = [r for r in asked if self._known(r[0]) and 0 <= r[1] < r[2] <= bs]
-            verified_ranges = self.cache.range_sums(ranges)
             self.row_table.release(step.released_slots)
             self.row_table.rewind(step.rewinds)
             applied = [self.row_table.apply(item) for item in step.items]
@@ -242,8 +239,7 @@ class Worker:
             self._in_step = False
             self._step_ended = time.monotonic()
         masks = launched.masks
-        sums = launched.verified + [(b, self.cache.checksum(b)) for b in launched.filled]
-        range_sums = launched.verified_ranges + self.cache.range_sums(launched.partial)
+        filled, partial = self.cache.asked_sums(launched.filled, launched.partial)  # what it wrote
         result = StepResult(
             step_id=launched.step.step_id,
             samples=samples,
@@ -255,14 +251,11 @@ class Worker:
             grammar_compiles=masks.compiles if masks else 0,
             decode_path=self.decode_path,
             num_threads=torch.get_num_threads(),
-            block_sums=sums,
-            range_sums=range_sums,
+            block_sums=launched.verified + filled,
+            range_sums=launched.verified_ranges + partial,
         )
         self.threads.after_step(result.forward_s)  # the next step may run on another count
         return result
-
-    def _known(self, block: int) -> bool:
-        return 0 <= block < self.cache.num_blocks
 
     def settle(self) -> None:
         """Wait for every launched step's sampled ids and write them into the rows (their

@@ -118,6 +118,17 @@ class KVCache:
         crc = zlib.crc32(data.cpu().numpy())
         return self.peers.checksum(block, crc) if self.peers is not None else crc
 
+    def asked_sums(
+        self, blocks: list[int], ranges: list[tuple[int, int, int]]
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, int]]]:
+        """``checksum`` of each of ``blocks`` and ``range_sums`` of ``ranges``, leaving out block
+        ids outside the pool and ranges outside a block (what a check after a re-attach asks
+        for in ``StepInput.verify_blocks`` and ``verify_ranges``, and what a step wrote)."""
+        known = range(self.num_blocks)
+        sums = [(block, self.checksum(block)) for block in blocks if block in known]
+        inside = [r for r in ranges if r[0] in known and 0 <= r[1] < r[2] <= self.block_size]
+        return sums, self.range_sums(inside)
+
     def range_sums(self, ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
         """(block, first, end, CRC-32) for each (block, first, end): the sum of slots ``[first,
         end)`` of a block's K/V, slot by slot, each slot every layer, K then V (what the
