@@ -290,7 +290,8 @@ class Worker:
             self.group.send_message(None)
 
     def close(self) -> None:
-        """Tell the other ranks to stop (the leader), and leave the group."""
+        """Stop backing the pool, tell the other ranks to stop (the leader), leave the group."""
+        self.cache.close()
         if self.group.leader and self.group.size > 1:
             tp_steps.lead_shutdown(self.group)
         self.group.close()

@@ -80,6 +80,7 @@ def bench_forward(
                 floor = step_floor(worker.model, batch, context, kv_dtype, bandwidth)
                 row = replace(row, floor=replace(floor, measured=BANDWIDTH[device][1]))
             rows.append(row)
+        worker.close()
     return rows
 
 

@@ -149,12 +149,15 @@ def run(args: argparse.Namespace) -> int:
         for line in lines
     ]
     config = SchedulerConfig(token_budget=args.token_budget, overlap=not args.disable_overlap)
-    engine = Engine.for_worker(make_worker(args), config)
-    for out in engine.generate(prompts, params):
-        ids = out.new_token_ids
-        text = tokenizer.tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else None
-        print(
-            json.dumps({"token_ids": ids, "text": text, "finish_reason": out.finish_reason}),
-            flush=True,
-        )
+    worker = make_worker(args)
+    try:
+        for out in Engine.for_worker(worker, config).generate(prompts, params):
+            ids = out.new_token_ids
+            text = tokenizer.tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else None
+            print(
+                json.dumps({"token_ids": ids, "text": text, "finish_reason": out.finish_reason}),
+                flush=True,
+            )
+    finally:
+        worker.close()
     return 0

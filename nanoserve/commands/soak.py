@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     except InvariantViolation as exc:
         print(f"InvariantViolation {exc}", file=sys.stderr)
         return 1
+    finally:
+        worker.close()
     print(
         f"{args.requests} requests, {args.num_slots} slots, {ready.num_blocks} blocks of "
         f"{ready.block_size}, budget {args.token_budget}, reserve {args.watermark_blocks}, "

@@ -4,8 +4,10 @@ thread is done."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
+import weakref
 
 import torch
 
@@ -104,3 +106,29 @@ def test_the_populating_thread_runs_at_the_process_priority():
     finally:
         release.set()
     assert cache.host is not None and cache.host.resident.wait(timeout=60)
+
+
+def test_a_closed_pool_stops_backing_and_lets_its_worker_go():
+    """``Worker.close`` ends the thread: an in-process worker dropped mid-population is freed,
+    not kept alive by ``busy`` while the thread backs gigabytes nobody will use."""
+
+    class Owner:  # the worker, whose bound ``_busy`` the thread holds
+        def busy(self) -> bool:
+            return True
+
+    before = rss_anon()
+    cache, owner = _small_cache(), Owner()
+    cache.populate(busy=owner.busy)
+    gone = weakref.ref(owner)
+    del owner
+    assert not cache.host.resident.wait(timeout=0.2), "populated while busy"
+    assert gone() is not None, "the thread holds its owner while it runs"
+    cache.close()
+    assert cache.host.resident.wait(timeout=10)
+    threads = [thread for thread in threading.enumerate() if thread.name == "kv-populate"]
+    for thread in threads:
+        thread.join(timeout=10)
+    gc.collect()
+    assert gone() is None, "the stopped thread still holds its owner"
+    assert cache.host.populate_s is None
+    assert rss_anon() - before < 4 * MIB, "pages were backed after close"

@@ -91,6 +91,11 @@ class KVCache:
         if self.host is not None:
             self.host.populate(after, busy)
 
+    def close(self) -> None:
+        """Stop making the pool resident (the worker is going)."""
+        if self.host is not None:
+            self.host.stop()
+
     def zero_blocks(self, blocks: list[int]) -> None:
         """Zero blocks as they join a row: a padded read of a block's unwritten tail must see
         finite numbers, which a zero attention weight cancels, whatever a poisoned or reused

@@ -70,6 +70,9 @@ class HostPool:
         block_bytes = numel * element // slices // shape[block_axis]
         self._geometry = (slices, shape[block_axis], block_bytes)
         self.resident = threading.Event()
+        # Set by ``stop``: the thread ends at its next call, and with it its references to the
+        # pool and to ``busy``'s owner (a worker dropped in-process is then freed, not backed).
+        self._stopped = threading.Event()
         self.populate_s: float | None = None  # from the first call to the last, waits included
         self.waited_s = 0.0  # of which waiting for the worker to be idle
 
@@ -82,6 +85,11 @@ class HostPool:
         threading.Thread(
             target=self._populate, args=(after, busy), name="kv-populate", daemon=True
         ).start()
+
+    def stop(self) -> None:
+        """End the populating thread at its next call (within ``_BUSY_RECHECK_S`` while it
+        waits for idle); pages already backed stay backed until the mapping goes."""
+        self._stopped.set()
 
     def _populate(
         self, after: Callable[[], object] | None, busy: Callable[[], bool] | None
@@ -100,10 +108,12 @@ class HostPool:
             for first in range(0, blocks, _BLOCKS_A_CALL):
                 end = min(blocks, first + _BLOCKS_A_CALL) * block_bytes
                 for index in range(slices):
-                    while busy is not None and busy():
+                    while busy is not None and busy() and not self._stopped.is_set():
                         paused = time.perf_counter()
                         time.sleep(_BUSY_RECHECK_S)
                         self.waited_s += time.perf_counter() - paused
+                    if self._stopped.is_set():
+                        return
                     start = base + index * slice_bytes + first * block_bytes
                     aligned = start - start % page  # madvise wants a page-aligned start
                     length = base + index * slice_bytes + end - aligned
