@@ -11,14 +11,44 @@ asks (the default compiles in the background where it pays).
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
+from collections.abc import Iterator
 
+import pytest
 import torch
 
 os.environ.setdefault("NANOSERVE_DTYPE", "float32")
 os.environ.setdefault("NANOSERVE_COMPILE", "0")
+# A pool sized from the RAM free at its start (a quarter, up to 4 GiB) shrinks when other tests'
+# servers run beside it: a fixed budget keeps every test's geometry the same, in the servers a
+# test starts and in the commands it runs in-process.
+os.environ.setdefault("NANOSERVE_KV_CACHE_MEMORY", "1GiB")
 # Without a GPU, Triton's kernels run in its interpreter (tests/worker/test_triton_attention.py).
 # Triton reads the variable when it is first imported, and other modules of the session may
 # import it (torch's inductor does), so it is set here, before any test module is collected.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _give_memory_back() -> Iterator[None]:
+    """After each module (its fixtures gone), hand its freed heap back to the system: a test
+    process runs dozens of modules, and glibc keeps what one model-sized module freed, which
+    two test processes and their servers then run short of on a 24 GiB machine."""
+    yield
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to trim
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _libc()

@@ -30,7 +30,6 @@ from pathlib import Path
 import pytest
 
 ROLES = ("scheduler", "worker", "frontend")
-TEST_KV_CACHE_MEMORY = "1GiB"  # each test server's KV pool unless a test sizes it
 
 
 def free_port() -> int:
@@ -193,10 +192,6 @@ def new_server(log_dir: Path, run_id: str | None = None, **options: object) -> S
     run_id = run_id or f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ)
     env.update({"NANOSERVE_RUN_ID": run_id, "NANOSERVE_PORT": str(port), "PYTHONUNBUFFERED": "1"})
-    if "num_blocks" not in options and "kv_cache_memory" not in options:
-        # A pool sized from the RAM free at its start (a quarter, up to 4 GiB) shrinks when
-        # other tests' servers run beside it; a fixed budget keeps every test's geometry the same.
-        env.setdefault("NANOSERVE_KV_CACHE_MEMORY", TEST_KV_CACHE_MEMORY)
     env.update(_variables(options))
     log_dir.mkdir(parents=True, exist_ok=True)
     return Server(port=port, run_id=run_id, log_dir=log_dir, env=env)

@@ -140,7 +140,9 @@ def test_bfloat16_close_to_float32(real_worker, real_prompts):
 
 
 @pytest.mark.slow
-def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts, monkeypatch):
+def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(
+    real_worker, real_prompts, monkeypatch
+):
     """Fed float32's own greedy tokens, one per step, the logits stay within Q4_TOL of float32's
     and pick the same token nearly always: one request at a time (every decode step on the
     4-bit weights in bfloat16, the prefills on them times 8-bit activations) and, with
@@ -149,18 +151,16 @@ def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts,
     the decode attention in float32 in worker.cpu.kernels' kernel); 1.53 and 97.3% before the
     8-bit prefills. Before that kernel, with bfloat16 bmm attention: 2.43 and 96.5%; plain
     bfloat16 then gave 1.57 and 97.0% on the same steps. All at once: see W4A8_*."""
-    workers = {
-        "f32": make_worker(None, block_size=16, num_blocks=512, num_slots=12),
-        "q4": make_worker(None, block_size=16, num_blocks=512, num_slots=12, dtype="bfloat16"),
-    }
-    assert workers["q4"].q4_linears == 30 * 4 + 1  # qkv, o, gate_up, down in every layer; lm head
-    assert workers["f32"].q4_linears == 0
+    # One more worker of the real model at a time beside the module's (each about 1 GB).
+    q4 = make_worker(None, block_size=16, num_blocks=512, num_slots=12, dtype="bfloat16")
+    assert q4.q4_linears == 30 * 4 + 1  # qkv, o, gate_up, down in every layer; lm head
+    assert real_worker.q4_linears == 0
     if kernels.uses_vnni():  # the MLP's big steps take 8-bit activations, the attention's not
-        taking = {kind for kind, c in workers["q4"].plan.linears.items() if c.big == "w4a8"}
+        taking = {kind for kind, c in q4.plan.linears.items() if c.big == "w4a8"}
         assert taking == {"gate_up_proj", "down_proj"}
     # float32 batched gives the tokens it gives alone (test_real_greedy_matches_transformers),
     # in a tenth of the time
-    reference = Driver(workers["f32"], eos=[]).run(
+    reference = Driver(real_worker, eos=[]).run(
         [Request(f"r{i}", p, 32) for i, p in enumerate(real_prompts)]
     )
 
@@ -168,12 +168,14 @@ def test_real_q4_decode_steps_stay_as_close_to_float32_as_bfloat16(real_prompts,
         pairs = zip(real_prompts, reference, strict=True)
         return [Request(f"r{i}", p, 32, forced=want.output) for i, (p, want) in enumerate(pairs)]
 
-    one_at_a_time = [Driver(workers["q4"], eos=[]).run([request])[0] for request in forced()]
+    one_at_a_time = [Driver(q4, eos=[]).run([request])[0] for request in forced()]
     q4_tol = Q4_TOL if kernels.available() and kernels.uses_bf16() else Q4_TORCH_TOL
     runs = [("4-bit, one at a time", reference, one_at_a_time, q4_tol, 0.93)]
     if kernels.uses_vnni():  # elsewhere all at once is plain bfloat16: test_bfloat16_close_...
-        all_at_once = Driver(workers["q4"], eos=[]).run(forced())
+        all_at_once = Driver(q4, eos=[]).run(forced())
         runs.append(("4-bit x 8-bit, all at once", reference, all_at_once, W4A8_TOL, W4A8_AGREE))
+    q4.close()
+    del q4
     # The float32 that ``auto`` picks on a CPU without native bfloat16 (simulated): every step
     # on the same 4-bit weights times 8-bit activations in nanoserve's AVX2 kernel (llama.cpp's
     # numerics) over a float16 K/V pool, or where it is not built, small steps through torch's
