@@ -24,11 +24,13 @@ serve: install
 	honcho start
 
 # Two test processes, a test file each at a time (its module fixtures start once): most tests
-# wait on the servers they start, and one process alone left a core idle. Then the tests that
-# need the machine to themselves.
+# wait on the servers they start, and one process alone left a core idle. A test process that
+# dies (the kernel's OOM killer, say) ends the run, naming its test: xdist's replacement under
+# --dist loadfile can wait forever for work it never gets. Then the tests that need the machine
+# to themselves.
 test: install
 	ruff check .
-	pytest -q -n 2 --dist loadfile -m "not serial"
+	pytest -q -n 2 --dist loadfile --max-worker-restart 0 -m "not serial"
 	pytest -q -m serial
 
 lint: install

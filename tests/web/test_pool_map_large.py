@@ -18,7 +18,9 @@ import pytest
 from tests.servers import server_fixture
 from tests.web.browser import chromium_path, screenshot
 
-pytestmark = pytest.mark.slow
+# Serial: the redraw bound below is a frame's budget, and two test processes' servers beside
+# the browser on 2 cores measured 501 ms; the 4 GiB pool is the suite's largest too.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 NUM_BLOCKS = 5825
 CONCURRENCY = 32
