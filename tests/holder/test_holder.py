@@ -5,10 +5,12 @@ wrote them. A killed holder's file is removed by the next holder of the run."""
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import signal
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 from holder.pool_file import pool_directory, pool_prefix
 from holder.process import Holder
 from protocol.kv_pool import HEADER_BYTES, PROTOCOL_VERSION, AttachPool, PoolGeometry
-from tests.servers import start_server
+from tests.servers import new_server, start_server
 from worker.kv.cache import KVCache
 from worker.kv.shared import attach
 
@@ -96,9 +98,47 @@ def test_another_geometry_is_refused_with_the_reason(holder) -> None:
 
 def test_no_holder_is_a_fallback_not_an_error(tmp_path) -> None:
     address = f"ipc://{tmp_path}/nobody.sock"
+    result = attach(address, GEOMETRY, any_size=False, start_s=0.2)
+    assert (result.mapping, result.fallback) == (None, "no_holder")
+    assert f"no pool holder at {address} after 0.2 s" in result.reason
+    (tmp_path / "nobody.sock").touch()  # a killed holder's socket file: nobody answers it
     result = attach(address, GEOMETRY, any_size=False, timeout_s=0.2)
     assert (result.mapping, result.fallback) == (None, "no_holder")
     assert "no pool holder answered" in result.reason
+
+
+def test_a_holder_that_binds_after_the_worker_asks_is_waited_for(tmp_path, caplog) -> None:
+    """``serve`` starts the holder beside the worker: on a loaded machine the worker may ask
+    before the holder has bound its socket, and must get the pool, not a private one."""
+    server = new_server(tmp_path)
+    address = server_address(server.run_id)
+    waiting = threading.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting for the pool holder" in record.getMessage():
+                waiting.set()
+
+    seen = Seen()
+    caplog.set_level(logging.INFO, logger="nanoserve.worker")
+    logging.getLogger("nanoserve.worker").addHandler(seen)
+    result: list = []
+    # A short answer timeout: only the wait for the socket can let this attach succeed.
+    asking = threading.Thread(
+        target=lambda: result.append(attach(address, GEOMETRY, any_size=False, timeout_s=0.5))
+    )
+    try:
+        asking.start()
+        assert waiting.wait(timeout=10.0), "the attach did not wait for the socket"
+        server.start("kv-holder")
+        asking.join(timeout=60.0)
+        assert not asking.is_alive()
+        [granted] = result
+        assert granted.mapping is not None, granted.reason
+        assert granted.generation == 1
+    finally:
+        logging.getLogger("nanoserve.worker").removeHandler(seen)
+        server.stop()
 
 
 def test_a_second_worker_is_refused_while_the_first_maps_the_pool(tmp_path) -> None:

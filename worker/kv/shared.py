@@ -44,7 +44,13 @@ from protocol.messages import StepInput
 if TYPE_CHECKING:
     from worker.parallel.group import Group
 
-ATTACH_TIMEOUT_S = 2.0
+# A holder started beside the worker (``serve --shared-kv-pool``, a Procfile) may bind its socket
+# after the worker has loaded its model, on a loaded machine seconds after: the worker waits this
+# long for the socket to appear, then this long for the answer of a holder that has bound it
+# (from /proc, microseconds; a holder restarting on a stale socket file, a supervisor's backoff).
+HOLDER_START_S = 30.0
+ATTACH_TIMEOUT_S = 5.0
+_SOCKET_POLL_S = 0.02
 STANDBY_POLL_S = 0.02  # a standby asks this often: the holder answers from /proc, in microseconds
 # A restarted group's rank waits this long for the lost group's rank to stop mapping its pool:
 # the lost ranks end within their watch's timeout (``worker.parallel.ranks``), seconds.
@@ -97,11 +103,15 @@ def attach(
     timeout_s: float = ATTACH_TIMEOUT_S,
     standby: bool = False,
     wait_s: float = 0.0,
+    start_s: float = HOLDER_START_S,
 ) -> Attachment:
-    """Ask the holder at ``address`` for a pool of ``geometry`` and map it. ``standby``: while
-    another live worker maps the pool, wait (asking every ``STANDBY_POLL_S``) and take it over
-    once that worker is gone, instead of falling back to a private pool; ``wait_s``: the same,
-    for that many seconds at most (a restarted group's rank, ``RANK_WAIT_S``)."""
+    """Ask the holder at ``address`` for a pool of ``geometry`` and map it, once its socket is
+    there (within ``start_s``; then an answer within ``timeout_s``). ``standby``: while another
+    live worker maps the pool, wait (asking every ``STANDBY_POLL_S``) and take it over once that
+    worker is gone, instead of falling back to a private pool; ``wait_s``: the same, for that
+    many seconds at most (a restarted group's rank, ``RANK_WAIT_S``)."""
+    if not _socket_appears(address, start_s):
+        return private("no_holder", f"no pool holder at {address} after {start_s} s")
     waited = False
     deadline = time.monotonic() + wait_s
     while True:
@@ -112,6 +122,21 @@ def attach(
             log.info("standby: the model is loaded; waiting to take the KV pool over")
             waited = True
         time.sleep(STANDBY_POLL_S)
+
+
+def _socket_appears(address: str, start_s: float) -> bool:
+    """Whether the holder's ipc socket exists, waiting up to ``start_s`` for it."""
+    path = address.removeprefix("ipc://")
+    if path == address:  # not an ipc address: the answer's timeout alone bounds the wait
+        return True
+    deadline = time.monotonic() + start_s
+    if not os.path.exists(path):
+        log.info("waiting for the pool holder at %s (up to %.0f s)", address, start_s)
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_SOCKET_POLL_S)
+    return True
 
 
 def _attach_once(
