@@ -38,9 +38,21 @@ def _give_memory_back() -> Iterator[None]:
     process runs dozens of modules, and glibc keeps what one model-sized module freed, which
     two test processes and their servers then run short of on a 24 GiB machine."""
     yield
-    gc.collect()
-    if _LIBC is not None:
+    # A third of a second a call: only once the process has grown by a GiB since the last.
+    if _LIBC is not None and _resident_bytes() > _trimmed[0] + _TRIM_GROWTH:
+        gc.collect()
         _LIBC.malloc_trim(0)
+        _trimmed[0] = _resident_bytes()
+
+
+_TRIM_GROWTH = 1 << 30
+_trimmed = [0]  # the resident bytes the last trim left
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (the second field of /proc/self/statm, in pages)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _libc() -> ctypes.CDLL | None:
