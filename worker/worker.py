@@ -27,7 +27,7 @@ from worker.config import WorkerConfig
 from worker.cpu.machine import bound_onednn_cache
 from worker.cpu.threads import ThreadGovernor
 from worker.grammar import grammar_masks
-from worker.kv.shared import filled_blocks, partial_ranges
+from worker.kv.written import filled_blocks, partial_ranges
 from worker.loading import load, make_cache
 from worker.model.ops import ModelOps
 from worker.parallel import steps as tp_steps
@@ -155,9 +155,8 @@ class Worker:
         return self.finish(self.launch(step))
 
     def _busy(self) -> bool:
-        """Whether a step runs, or ran within ``IDLE_AFTER_S``: the KV pool's pages are backed
-        only outside that (``worker.kv.host_pool``), so that backing them takes no CPU from
-        steps."""
+        """Whether a step runs, or ran within ``IDLE_AFTER_S``: the pool's pages are backed only
+        outside that (``worker.kv.host_pool``), so backing them takes no CPU from steps."""
         return self._in_step or time.monotonic() - self._step_ended < IDLE_AFTER_S
 
     def execute_with_logits(self, step: StepInput) -> tuple[StepResult, torch.Tensor | None]:

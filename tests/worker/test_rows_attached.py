@@ -10,7 +10,7 @@ import torch
 from protocol.messages import SamplingParams, StepInput, StepItem
 from worker.faults import KillInStep
 from worker.kv.cache import KVCache
-from worker.kv.shared import filled_blocks, partial_ranges
+from worker.kv.written import filled_blocks, partial_ranges
 from worker.rows import RowTable, written_blocks
 
 P = SamplingParams(temperature=0.0)

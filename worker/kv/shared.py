@@ -39,7 +39,6 @@ from protocol.kv_pool import (
     pool_bytes,
     unpack_header,
 )
-from protocol.messages import StepInput
 
 if TYPE_CHECKING:
     from worker.parallel.group import Group
@@ -281,27 +280,3 @@ class PeerPools:
                 piece = pool[:, :, :, block, at * slot : (at + 1) * slot]  # (L, 2, H, slot)
                 crc = zlib.crc32(np.ascontiguousarray(piece), crc)
         return crc
-
-
-def partial_ranges(step: StepInput, applied: list, block_size: int) -> list[tuple[int, int, int]]:
-    """(block, first slot, end slot) for each item of ``step`` whose tokens end inside a block:
-    the slots it writes into the row's last, partial block, which the worker sums on a shared
-    pool (a block it fills is summed whole: ``filled_blocks``)."""
-    ranges = []
-    for item, (row, _) in zip(step.items, applied, strict=True):
-        end = item.start + len(item.token_ids)
-        if end % block_size:
-            first = max(item.start, end - end % block_size) % block_size
-            ranges.append((row.block_table[end // block_size], first, end % block_size))
-    return ranges
-
-
-def filled_blocks(step: StepInput, applied: list, block_size: int) -> list[int]:
-    """The blocks each item of ``step`` fills (its tokens reach their last position): those the
-    worker sums on a shared pool."""
-    filled = []
-    for item, (row, _) in zip(step.items, applied, strict=True):
-        end = item.start + len(item.token_ids)
-        for index in range(item.start // block_size, end // block_size):
-            filled.append(row.block_table[index])
-    return filled
