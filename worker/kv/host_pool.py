@@ -42,7 +42,8 @@ _BUSY_RECHECK_S = 0.05  # how long the thread waits before asking ``busy`` again
 class HostPool:
     """``shape``'s tensor over a fresh mapping, seen as (slices, blocks, block bytes) when
     populating, where ``slices`` is every dimension before the block axis. ``resident`` is set
-    once ``populate`` has backed every page (or found the kernel cannot be asked to)."""
+    once ``populate`` has backed every page, found the kernel cannot be asked to, or was
+    stopped (``populate_s`` stays None then)."""
 
     def __init__(
         self,
