@@ -1,7 +1,8 @@
 """The pool holder's process: answer workers' ``AttachPool`` with their shared pool.
 
-It binds a ROUTER at the run's holder endpoint and owns one ``PoolFile`` per tensor-parallel
-rank (rank 0 alone for a worker of one rank), keyed by the rank in the request's geometry. A
+It binds a ROUTER at the run's holder endpoint and owns one pool per tensor-parallel rank (rank
+0 alone for a worker of one rank), keyed by the rank in the request's geometry: a ``PoolFile``
+for a CPU worker, a ``DevicePool`` (``holder.device_pool``) for a CUDA one. A
 rank's first request creates its pool with the rank's geometry; later ones get the same pool,
 its generation bumped, when their geometry is the same (rank and group size included; any block
 count, if theirs came from a budget). It refuses, and says why, when the geometry differs, or
@@ -19,9 +20,10 @@ from pathlib import Path
 
 import zmq
 
+from holder.device_pool import DevicePool, exited
 from holder.pool_file import PoolFile, remove_stale
 from protocol.channel import BadMessage, Channel
-from protocol.kv_pool import PROTOCOL_VERSION, AttachPool, PoolGranted, ToHolder
+from protocol.kv_pool import PROTOCOL_VERSION, AttachPool, PoolGeometry, PoolGranted, ToHolder
 
 log = logging.getLogger("nanoserve.holder")
 
@@ -42,12 +44,12 @@ class Holder:
     def __init__(self, run_id: str, directory: Path | None = None) -> None:
         self.run_id = run_id
         self.directory = directory
-        self.pools: dict[int, PoolFile] = {}  # rank -> its pool
+        self.pools: dict[int, PoolFile | DevicePool] = {}  # rank -> its pool
         self.attached_pids: dict[int, int] = {}  # rank -> the pid that attached to it last
         self._last_refusal: tuple[int, str] | None = None
 
     @property
-    def pool(self) -> PoolFile | None:
+    def pool(self) -> PoolFile | DevicePool | None:
         """Rank 0's pool: a worker of one rank's."""
         return self.pools.get(0)
 
@@ -62,8 +64,20 @@ class Holder:
         rank = request.geometry.rank
         pool = self.pools.get(rank)
         if pool is None:
-            pool = self.pools[rank] = PoolFile(self.run_id, request.geometry, self.directory)
+            try:
+                pool = self.pools[rank] = self._create(request.geometry)
+            except Exception as exc:  # no CUDA here, out of memory: the worker's pool is private
+                why = f"cannot allocate {request.geometry.describe()}: {exc}"
+                log.warning("pool refused to worker pid %d: %s", request.pid, why)
+                return PoolGranted(protocol_version=PROTOCOL_VERSION, reason=why, refusal="alloc")
             log.info("pool %s created: %s", pool.pool_id, request.geometry.describe())
+        device = isinstance(pool, DevicePool)
+        try:
+            handle = pool.export() if device else None
+        except Exception as exc:
+            why = f"cannot export pool {pool.pool_id}: {exc}"
+            log.warning("pool refused to worker pid %d: %s", request.pid, why)
+            return PoolGranted(protocol_version=PROTOCOL_VERSION, reason=why, refusal="export")
         generation = pool.attach()
         self.attached_pids[rank] = request.pid
         log.info(
@@ -75,11 +89,18 @@ class Holder:
         )
         return PoolGranted(
             protocol_version=PROTOCOL_VERSION,
-            path=str(pool.path),
+            path="" if device else str(pool.path),
             pool_id=pool.pool_id,
             generation=generation,
             geometry=pool.geometry,
+            device_handle=handle,
         )
+
+    def _create(self, geometry: PoolGeometry) -> PoolFile | DevicePool:
+        """A new pool of ``geometry``: in device memory for a CUDA worker, else a file."""
+        if geometry.device != "cpu":
+            return DevicePool(geometry)
+        return PoolFile(self.run_id, geometry, self.directory)
 
     def _refusal(self, request: AttachPool) -> tuple[str, str]:
         """(kind, why) the pool is not granted; ("", "") when it is."""
@@ -90,7 +111,7 @@ class Holder:
         pool, previous = self.pools.get(rank), self.attached_pids.get(rank)
         if pool is None:
             return "", ""
-        if previous is not None and previous != request.pid and maps(previous, pool.path):
+        if previous is not None and previous != request.pid and self._in_use(pool, previous):
             return "in_use", f"worker pid {previous} still maps the pool"
         have, want = pool.geometry, request.geometry
         if have.layout() != want.layout() or (
@@ -99,8 +120,16 @@ class Holder:
             return "geometry", f"the pool has {have.describe()}, this worker {want.describe()}"
         return "", ""
 
+    @staticmethod
+    def _in_use(pool: PoolFile | DevicePool, pid: int) -> bool:
+        """Whether process ``pid``, which attached to ``pool`` last, may still write it: it maps
+        the file; of a device pool, it has not exited (``holder.device_pool``)."""
+        if isinstance(pool, DevicePool):
+            return not exited(pid)
+        return maps(pid, pool.path)
+
     def close(self) -> None:
-        """Remove the pools' files."""
+        """Remove the pools' files, free the device pools."""
         for pool in self.pools.values():
             pool.close()
         self.pools.clear()

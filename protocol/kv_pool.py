@@ -1,12 +1,14 @@
 """The shared KV pool: its file's header, and the messages between a worker and the pool holder.
 
-The pool holder (``holder/``) owns the CPU K/V pool as a file in /dev/shm (mode 0600, in a
-name only this user's processes use), so the pool outlives the worker that computes into it.
-A worker asks the holder for a pool of its geometry (``AttachPool``); the holder answers with
-the file's path, the pool's id and its generation, bumped at every attach (``PoolGranted``),
-or with the reason it will not share one (the worker then allocates a private pool).
+The pool holder (``holder/``) owns the K/V pool, so the pool outlives the worker that
+computes into it: a CPU pool as a file in /dev/shm (mode 0600, in a name only this user's
+processes use), a CUDA pool as device memory it exports through a CUDA IPC handle
+(``DeviceHandle``). A worker asks the holder for a pool of its geometry (``AttachPool``); the
+holder answers with the file's path or the handle, the pool's id and its generation, bumped at
+every attach (``PoolGranted``), or with the reason it will not share one (the worker then
+allocates a private pool).
 
-The file is a header page, then the pool's bytes. The header says what the bytes are:
+A CPU pool's file is a header page, then the pool's bytes. The header says what the bytes are:
 ``MAGIC``, the geometry (with the tensor-parallel rank whose share of the KV heads it holds, and
 the group's size), the pool id and the generation. The worker checks it against the
 grant before it trusts a byte, so a file replaced or resized behind its back is refused.
@@ -42,8 +44,9 @@ class PoolGeometry(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_on
     num_blocks: int
     rank: int = 0
     world_size: int = 1
+    device: str = "cpu"
 
-    def layout(self) -> tuple[int, int, int, int, str, int, int]:
+    def layout(self) -> tuple[int, int, int, int, str, int, int, str]:
         """Everything but the block count: what a pool of another size still shares."""
         return (
             self.num_layers,
@@ -53,6 +56,7 @@ class PoolGeometry(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_on
             self.dtype,
             self.rank,
             self.world_size,
+            self.device,
         )
 
     def describe(self) -> str:
@@ -61,6 +65,7 @@ class PoolGeometry(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_on
         return (
             f"{self.num_layers} layers x {self.n_kv_heads} KV heads x {self.head_dim}, "
             f"{self.num_blocks} blocks of {self.block_size}, {self.dtype}{group}"
+            + ("" if self.device.startswith("cpu") else f", on {self.device}")
         )
 
 
@@ -75,10 +80,40 @@ class AttachPool(Message):
     any_size: bool = False
 
 
+class DeviceHandle(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
+    """A CUDA pool's export, as ``torch.UntypedStorage._share_cuda_`` gives it and
+    ``_new_shared_cuda`` takes it: the allocation's IPC handle and where the pool's bytes lie in
+    it, the reference counter torch keeps for the exporter, and the event a user waits on before
+    it reads. Bytes and integers only: nothing between processes is pickled."""
+
+    device: int
+    handle: bytes
+    size: int  # the pool's bytes
+    offset: int  # where they start in the allocation
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+    def args(self) -> tuple:
+        """The arguments of ``torch.UntypedStorage._new_shared_cuda``, in order."""
+        return (
+            self.device,
+            self.handle,
+            self.size,
+            self.offset,
+            self.ref_counter_handle,
+            self.ref_counter_offset,
+            self.event_handle,
+            self.event_sync_required,
+        )
+
+
 class PoolGranted(Message):
-    """The holder's answer: ``path`` to map (empty: refused, and ``reason`` says why), the
-    pool's id (new with every file the holder creates), its generation after this attach and
-    its geometry (the block count may differ from the one asked with ``any_size``)."""
+    """The holder's answer: ``path`` to map (a CPU pool) or ``device_handle`` to open (a CUDA
+    pool); neither, and no ``geometry``: refused, and ``reason`` says why. Then the pool's id
+    (new with every pool the holder creates), its generation after this attach and its geometry
+    (the block count may differ from the one asked with ``any_size``)."""
 
     protocol_version: int
     path: str = ""
@@ -87,6 +122,7 @@ class PoolGranted(Message):
     geometry: PoolGeometry | None = None
     reason: str = ""
     refusal: str = ""  # the reason's kind, a metric label: "geometry", "in_use", "protocol"
+    device_handle: DeviceHandle | None = None
 
 
 ToHolder = AttachPool
@@ -149,4 +185,4 @@ def unpack_header(data: bytes) -> tuple[PoolGeometry, str, int]:
     return geometry, pid.rstrip(b"\0").decode(), generation
 
 
-__all__ = ["PROTOCOL_VERSION", "AttachPool", "PoolGranted", "PoolGeometry"]
+__all__ = ["PROTOCOL_VERSION", "AttachPool", "DeviceHandle", "PoolGranted", "PoolGeometry"]

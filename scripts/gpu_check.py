@@ -9,7 +9,9 @@ and runs this. It needs no network and no weights: the checkpoints are made here
    steps at batch 1 and 64 on the speed one;
 5. nanoserve on the float32 checkpoint over HTTP: greedy tokens of 8 chat prompts, together
    and one by one, against transformers'; then a worker SIGKILLed mid-stream, every stream
-   held against the undisturbed text;
+   held against the undisturbed text; then the same with ``--shared-kv-pool`` (the pool
+   holder's device memory, through a CUDA IPC handle): the restarted worker re-attaches to it,
+   and only the tokens of the steps in flight are computed again;
 6. nanoserve on the speed checkpoint: ``bench serve`` at concurrency 1, 32 and 256 (64-token
    prompts, 128 output tokens, ignore_eos) with the GPU's utilization; the 8 prompts' tokens
    with CUDA graphs, then with ``--enforce-eager`` where the worker has that option.
@@ -47,6 +49,7 @@ from gpu_report import evaluate, failed_checks, format_report  # noqa: E402
 PYTHON = sys.executable
 NAME = "check"  # the served model name
 EAGER = "graphs vs eager tokens"
+SHARED = "worker SIGKILL on the shared pool"
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,8 @@ class Check:
         cli = [PYTHON, "-m", "nanoserve.cli"]
         pid_file = self.logs / name / "worker.pid"
         supervise = ["supervise", "--initial-backoff", "0.2", "--pid-file", str(pid_file), "--"]
+        if extra.get("shared_kv_pool"):  # the pool holder first: the worker asks it for the pool
+            server.spawn("kv-holder", [*cli, "kv-holder"], env)
         server.spawn("scheduler", [*cli, "scheduler"], env)
         server.spawn("worker", [*cli, *supervise, *cli, "worker"], env)
         server.spawn("frontend", [*cli, "frontend"], env)
@@ -256,6 +261,28 @@ class Check:
             "of": len(streams),
             **killed,
         }
+
+    def shared_kill(self, server: Server) -> dict:
+        """``worker_kill`` on the holder's pool: every stream undisturbed, the restarted worker
+        re-attached (no fallback), and at most the two steps in flight computed again (one
+        token a stream each, once every stream decodes)."""
+        found = self.worker_kill(server)
+        metrics = gpu_probes.scrape(server.url)
+        found["reattaches"] = metrics.get("nanoserve:kv_pool_reattaches_total", 0)
+        found["fallbacks"] = {
+            name: value for name, value in metrics.items() if "kv_pool_fallbacks_total" in name
+        }
+        found["recomputed"] = metrics.get("nanoserve:worker_restart_tokens_recomputed_last")
+        bound = 2 * found["in_flight_at_kill"]
+        recomputed = found["recomputed"]
+        found["ok"] = (
+            found["ok"]
+            and found["reattaches"] >= 1
+            and recomputed is not None
+            and recomputed <= bound
+        )
+        found["recompute_bound"] = bound
+        return found
 
     def speed(self, server: Server) -> dict:
         from nanoserve.bench.serve import BenchServe, BenchServeConfig
@@ -311,6 +338,8 @@ class Check:
             ("worker SIGKILL mid-stream", self.worker_kill),
         ]
         self.with_server("exact", exact, "float32", {}, exact_probes)
+        shared = [(SHARED, self.shared_kill)]
+        self.with_server("shared", exact, "float32", {"shared_kv_pool": "1"}, shared)
         speed_probes = [("speed levels", self.speed), ("graphs tokens", self.graph_tokens)]
         self.with_server("speed", speed, dtype, frontends, speed_probes)
         if not _has_enforce_eager():

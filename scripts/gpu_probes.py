@@ -4,7 +4,8 @@
   sent together or one by one; ``same_tokens`` holds them against another run's, or against
   transformers' ids.
 - ``kill_mid_stream``: streams the prompts, SIGKILLs the worker once each has tokens, and
-  returns every stream's text, for the undisturbed run's to be held against.
+  returns every stream's text, for the undisturbed run's to be held against;
+- ``scrape``: the server's /metrics, for what a kill cost (re-attaches, tokens recomputed).
 - ``GpuUtilization``: samples the GPU's utilization (NVML through pynvml, else ``nvidia-smi``)
   every 100 ms while a load runs.
 """
@@ -105,6 +106,20 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict, into: di
             if delta.get("content"):
                 into["text"] += delta["content"]
                 into["chunks"] += 1
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's /metrics as {name with its labels: value}."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    found = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            found[name] = float(value)
+    return found
 
 
 async def kill_mid_stream(

@@ -75,6 +75,15 @@ def evaluate(result: dict) -> list[dict]:
         "all",
         kill.get("ok") if "of" in kill else None,
     )
+    shared = steps.get("worker SIGKILL on the shared pool", {})
+    add(
+        "shared pool SIGKILL: re-attached, tokens recomputed",
+        f"{shared.get('reattaches')} re-attach, {shared.get('recomputed')} tokens"
+        if "of" in shared
+        else None,
+        "1, <= 2 a stream",
+        shared.get("ok") if "of" in shared else None,
+    )
     levels = {f"c{lv['concurrency']}": lv for lv in steps.get("speed levels", {}).get("levels", [])}
     for name, bar, level, key, test in SPEED_BARS:
         value = levels.get(level, {}).get(key)

@@ -114,8 +114,9 @@ class WorkerConfig:
     shared_kv_pool: bool = field(
         default=False,
         metadata={
-            "help": "CPU: map the KV pool from the pool holder (nanoserve kv-holder), so a "
-            "worker's death keeps its K/V and costs only the steps in flight (docs/kv_pool.md)"
+            "help": "take the KV pool from the pool holder (nanoserve kv-holder): a shared "
+            "file on CPU, device memory through a CUDA IPC handle on a GPU, so a worker's death "
+            "keeps its K/V and costs only the steps in flight (docs/kv_pool.md)"
         },
     )
     standby_workers: int = field(

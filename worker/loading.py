@@ -126,6 +126,7 @@ def make_cache(
             config.standby_workers > 0,
             holder,
             plan.kv_pool,
+            plan.device,
             group,
             num_blocks,
             config.num_blocks is None,
@@ -173,6 +174,7 @@ def _attach(
     standby: bool,
     holder: str | None,
     pool: str,
+    device: str,
     group: Group,
     num_blocks: int,
     any_size: bool,
@@ -183,10 +185,15 @@ def _attach(
     head_dim: int,
     dtype: torch.dtype,
 ) -> Attachment:
-    """The pool holder's pool for this geometry, or why the pool stays private."""
+    """The pool holder's pool for this geometry, or why the pool stays private: a host pool
+    as a file, a device pool (CUDA) as the holder's device memory."""
+    where = "cpu"
     if pool != "host":
-        return private("device", "a device pool is not shared (the CUDA holder is not built)")
-    if group.local_size < group.size:  # the leader sums every rank's pool, from this host
+        if group.size > 1:  # the leader's sums read every rank's pool, from the host
+            return private("device", "a tensor-parallel group's device pools are not shared")
+        index = torch.device(device).index
+        where = f"cuda:{torch.cuda.current_device() if index is None else index}"
+    elif group.local_size < group.size:  # the leader sums every rank's pool, from this host
         return private("tensor_parallel_hosts", "ranks on several hosts keep private pools")
     if holder is None:
         return private("no_holder", "no pool holder address")
@@ -199,6 +206,7 @@ def _attach(
         num_blocks=num_blocks,
         rank=group.rank,
         world_size=group.size,
+        device=where,
     )
     # A restarted group's rank may ask before the lost group's rank has stopped mapping it.
     wait_s = RANK_WAIT_S if group.size > 1 else 0.0

@@ -1,4 +1,4 @@
-"""``nanoserve kv-holder``: the process that owns the shared CPU K/V pool (``holder/``).
+"""``nanoserve kv-holder``: the process that owns the shared K/V pool (CPU or CUDA) (``holder/``).
 
 ``nanoserve serve --shared-kv-pool`` starts it under the supervisor, beside the worker; with
 honcho, add ``kv_holder: nanoserve supervise -- nanoserve kv-holder`` to the Procfile.

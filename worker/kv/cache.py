@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from protocol.blocks import blocks_for
 from protocol.kv_pool import HEADER_BYTES
 from worker.cpu.machine import available_ram
+from worker.kv.device_pool import WeightedSums
 from worker.kv.host_pool import HostPool
 from worker.kv.shared import Attachment, PeerPools
 
@@ -37,6 +39,13 @@ def default_budget(pool: str) -> int:
         free, _ = torch.cuda.mem_get_info()
         return int(free * 0.8)
     return min(available_ram() // 4, _HOST_BUDGET_CAP)
+
+
+class QueuedSums(NamedTuple):
+    """A device pool's sums on their way to the host: ``host`` once ``event`` has passed."""
+
+    host: torch.Tensor  # (n,) int64
+    event: object | None  # a torch.cuda.Event; None where the copy was synchronous
 
 
 class KVCache:
@@ -72,6 +81,10 @@ class KVCache:
             offset = HEADER_BYTES if mapping is not None else 0
             self.host = HostPool(shape, block_axis=3, dtype=dtype, mapping=mapping, offset=offset)
             self.pool = self.host.tensor
+        elif pool == "device" and self.attachment.device_pool is not None:
+            # The holder's memory (worker.kv.device_pool), zeroed when it was made: a worker
+            # before this one may have left K/V in it.
+            self.pool = self.attachment.device_pool.view(dtype).view(shape)
         elif pool == "device":
             self.pool = torch.zeros(shape, dtype=dtype, device=device)
         else:
@@ -82,6 +95,11 @@ class KVCache:
         # A tensor-parallel leader's maps of the other ranks' shared pools: ``checksum`` covers
         # every rank's shard of a block (worker.kv.shared).
         self.peers: PeerPools | None = None
+        # A device pool's sums are taken on the device (worker.kv.device_pool), a host pool's are
+        # CRC-32s of its bytes.
+        self.weighted: WeightedSums | None = None
+        if self.attachment.device_pool is not None:
+            self.weighted = WeightedSums(self.pool, block_size)
 
     def populate(
         self, after: Callable[[], object] | None = None, busy: Callable[[], bool] | None = None
@@ -130,9 +148,45 @@ class KVCache:
         ids outside the pool and ranges outside a block (what a check after a re-attach asks
         for in ``StepInput.verify_blocks`` and ``verify_ranges``, and what a step wrote)."""
         known = range(self.num_blocks)
-        sums = [(block, self.checksum(block)) for block in blocks if block in known]
+        blocks = [block for block in blocks if block in known]
         inside = [r for r in ranges if r[0] in known and 0 <= r[1] < r[2] <= self.block_size]
-        return sums, self.range_sums(inside)
+        if self.weighted is not None:
+            return self._paired(blocks, inside, self.weighted.of(blocks, inside).tolist())
+        return [(block, self.checksum(block)) for block in blocks], self.range_sums(inside)
+
+    def queue_sums(
+        self, blocks: list[int], ranges: list[tuple[int, int, int]]
+    ) -> QueuedSums | None:
+        """A device pool's sums of what a step wrote (``asked_sums``' arguments), queued on the
+        device behind the step and copied back without waiting; None for a host pool, whose
+        sums ``written_sums`` takes once the step is done."""
+        if self.weighted is None:
+            return None
+        sums = self.weighted.of(blocks, ranges)  # (len(blocks) + len(ranges),) int64
+        host = torch.empty(sums.shape, dtype=torch.int64, pin_memory=sums.is_cuda)
+        host.copy_(sums, non_blocking=True)
+        event = torch.cuda.Event() if sums.is_cuda else None
+        if event is not None:
+            event.record()
+        return QueuedSums(host, event)
+
+    def written_sums(
+        self, blocks: list[int], ranges: list[tuple[int, int, int]], queued: QueuedSums | None
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, int]]]:
+        """The sums of what a step wrote, as ``asked_sums`` gives them: ``queued``'s, once its
+        copy is done, or (a host pool) taken now."""
+        if queued is None:
+            return self.asked_sums(blocks, ranges)
+        if queued.event is not None:
+            queued.event.synchronize()
+        return self._paired(blocks, ranges, queued.host.tolist())
+
+    @staticmethod
+    def _paired(blocks, ranges, values: list[int]):
+        """``asked_sums``' pairs from one value per block, then per range."""
+        cut = len(blocks)
+        sums = list(zip(blocks, values[:cut], strict=True))
+        return sums, [(*r, value) for r, value in zip(ranges, values[cut:], strict=True)]
 
     def range_sums(self, ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
         """(block, first, end, CRC-32) for each (block, first, end): the sum of slots ``[first,

@@ -2,10 +2,11 @@
 
 The worker asks the holder (``holder/``) once, as it sizes its cache: a grant is a file in
 /dev/shm, mapped shared, whose header must match the grant (geometry, pool id, generation)
-before a byte of it is trusted. Anything else (no holder answering, another geometry, a pool
-another live worker maps, a bad header) is a fallback: the worker allocates its pool privately,
-as without a holder, and ``reason`` says why in one log line (``fallback``, its kind, is a
-label on the scheduler's metric).
+before a byte of it is trusted, or, for a CUDA worker, device memory opened through the
+holder's IPC handle (``worker.kv.device_pool``). Anything else (no holder answering, another
+geometry, a pool another live worker maps, a bad header) is a fallback: the worker allocates
+its pool privately, as without a holder, and ``reason`` says why in one log line
+(``fallback``, its kind, is a label on the scheduler's metric).
 
 A tensor-parallel group attaches as a group: each rank asks for its own rank's pool (its share
 of the KV heads), then the ranks tell each other what they got (``agree``). The group's pools
@@ -39,6 +40,7 @@ from protocol.kv_pool import (
     pool_bytes,
     unpack_header,
 )
+from worker.kv.device_pool import open_granted
 
 if TYPE_CHECKING:
     from worker.parallel.group import Group
@@ -60,7 +62,8 @@ log = logging.getLogger("nanoserve.worker")
 
 @dataclass(frozen=True)
 class Attachment:
-    """A shared pool (``mapping``, its id, generation and geometry) or why there is none."""
+    """A shared pool (``mapping``, the file's, or ``device_pool``, the bytes of a CUDA pool; its
+    id, generation and geometry) or why there is none."""
 
     mapping: mmap.mmap | None = None
     pool_id: str = ""
@@ -70,13 +73,19 @@ class Attachment:
     reason: str = ""
     path: str = ""  # the pool's file
     ranks: tuple[RankPool, ...] = ()  # a group's: what every rank attached, rank 0 first
+    device_pool: object | None = None  # a CUDA pool's bytes: a flat uint8 torch tensor
+
+    @property
+    def shared(self) -> bool:
+        """Whether the pool is the holder's (a file mapped, or device memory opened)."""
+        return self.mapping is not None or self.device_pool is not None
 
     @property
     def reused(self) -> bool:
         """Whether an earlier worker attached to this pool (its blocks may hold K/V): of a
         group, to every rank's."""
         others = all(rank.generation > 1 for rank in self.ranks)
-        return self.mapping is not None and self.generation > 1 and others
+        return self.shared and self.generation > 1 and others
 
 
 class RankPool(msgspec.Struct, array_like=True, gc=False, frozen=True, kw_only=True):
@@ -160,8 +169,10 @@ def _attach_once(
             return private("protocol", f"the holder's answer is unreadable: {exc}")
     finally:
         socket.close(0)
-    if not grant.path or grant.geometry is None:
+    if grant.geometry is None or not (grant.path or grant.device_handle):
         return private(grant.refusal or "refused", f"the holder refused: {grant.reason}")
+    if grant.device_handle is not None:
+        return open_granted(grant, geometry, any_size)
     return _map(grant.path, grant.geometry, grant.pool_id, grant.generation, geometry, any_size)
 
 

@@ -45,6 +45,7 @@ class Launched:
     # of its verify_ranges
     partial: list[tuple[int, int, int]] = field(default_factory=list)
     verified_ranges: list[tuple[int, int, int, int]] = field(default_factory=list)
+    sums: object | None = None  # a device pool's sums of filled and partial, on their way back
     _tokens: list[int] | None = field(default=None, repr=False)
 
     def done(self) -> bool:
