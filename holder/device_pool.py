@@ -8,34 +8,58 @@ a device pool: a holder of CPU pools never loads it.
 
 Two processes must never write one pool. A CPU pool's holder knows its last worker is gone once
 that process stops mapping the file; CUDA memory opened through a handle shows in no map, so
-here the last worker is gone once its process has exited: it no longer exists, or it is a
-zombie. A process becomes a zombie only after its exit has closed its files, the GPU's among
-them, and the driver destroys a process's CUDA context, its queued kernels with it, when that
-happens.
+here the last worker is gone once its process has exited: it no longer exists, it is a zombie,
+or its pid names a process that started later. A process becomes a zombie only after its exit
+has closed its files, the GPU's among them, and the driver destroys a process's CUDA context,
+its queued kernels with it, when that happens (a driver that defers that teardown, or a child
+that inherited the GPU's files, would break this: neither is nanoserve's worker).
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 from pathlib import Path
 
 from protocol.kv_pool import DeviceHandle, PoolGeometry, pool_bytes
 
 
-def exited(pid: int) -> bool:
-    """Whether process ``pid`` has exited: it is gone, or a zombie (state Z or X)."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command's name (state first), or None."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return True
+        return None
     # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last.
-    return stat[stat.rindex(")") + 2] in "ZX"
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot), or None if there is none: with
+    the pid, it names the process (a pid is reused once its process is reaped)."""
+    fields = _stat(pid)
+    return None if fields is None else int(fields[19])
+
+
+def exited(pid: int, start: int | None = None) -> bool:
+    """Whether process ``pid`` (the one that started at ``start``, where given) has exited: it
+    is gone, a zombie (state Z or X), or another process now has its pid."""
+    fields = _stat(pid)
+    if fields is None or fields[0] in "ZX":
+        return True
+    return start is not None and int(fields[19]) != start
 
 
 class DevicePool:
     """One rank's pool in the memory of ``geometry.device``, zeroed, and its export."""
 
     def __init__(self, geometry: PoolGeometry) -> None:
+        # CUDA IPC cannot export memory of torch's expandable segments: this process's
+        # allocator must hand out plain allocations, whatever the environment asked for.
+        settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        if "expandable_segments" in settings:
+            kept = [s for s in settings.split(",") if not s.startswith("expandable_segments")]
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(kept)
         import torch
 
         self.geometry = geometry
@@ -68,5 +92,7 @@ class DevicePool:
         )
 
     def close(self) -> None:
-        """Free the memory (the holder is going; a worker that still has it open loses it)."""
+        """Drop the holder's reference (the holder is going). torch frees the memory once every
+        worker it was exported to has released it; a killed worker never does, so the memory
+        goes with the holder's CUDA context, when the holder exits."""
         self.tensor = None

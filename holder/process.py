@@ -20,7 +20,7 @@ from pathlib import Path
 
 import zmq
 
-from holder.device_pool import DevicePool, exited
+from holder.device_pool import DevicePool, exited, started
 from holder.pool_file import PoolFile, remove_stale
 from protocol.channel import BadMessage, Channel
 from protocol.kv_pool import PROTOCOL_VERSION, AttachPool, PoolGeometry, PoolGranted, ToHolder
@@ -46,6 +46,7 @@ class Holder:
         self.directory = directory
         self.pools: dict[int, PoolFile | DevicePool] = {}  # rank -> its pool
         self.attached_pids: dict[int, int] = {}  # rank -> the pid that attached to it last
+        self.attached_starts: dict[int, int | None] = {}  # rank -> when that process started
         self._last_refusal: tuple[int, str] | None = None
 
     @property
@@ -80,6 +81,7 @@ class Holder:
             return PoolGranted(protocol_version=PROTOCOL_VERSION, reason=why, refusal="export")
         generation = pool.attach()
         self.attached_pids[rank] = request.pid
+        self.attached_starts[rank] = started(request.pid)
         log.info(
             "worker pid %d attached to pool %s%s, generation %d",
             request.pid,
@@ -111,7 +113,8 @@ class Holder:
         pool, previous = self.pools.get(rank), self.attached_pids.get(rank)
         if pool is None:
             return "", ""
-        if previous is not None and previous != request.pid and self._in_use(pool, previous):
+        start = self.attached_starts.get(rank)
+        if previous is not None and previous != request.pid and self._in_use(pool, previous, start):
             return "in_use", f"worker pid {previous} still maps the pool"
         have, want = pool.geometry, request.geometry
         if have.layout() != want.layout() or (
@@ -121,11 +124,12 @@ class Holder:
         return "", ""
 
     @staticmethod
-    def _in_use(pool: PoolFile | DevicePool, pid: int) -> bool:
-        """Whether process ``pid``, which attached to ``pool`` last, may still write it: it maps
-        the file; of a device pool, it has not exited (``holder.device_pool``)."""
+    def _in_use(pool: PoolFile | DevicePool, pid: int, start: int | None) -> bool:
+        """Whether process ``pid`` (started at ``start``), which attached to ``pool`` last, may
+        still write it: it maps the file; of a device pool, it has not exited
+        (``holder.device_pool``)."""
         if isinstance(pool, DevicePool):
-            return not exited(pid)
+            return not exited(pid, start)
         return maps(pid, pool.path)
 
     def close(self) -> None:

@@ -119,7 +119,7 @@ def arm_from_environment(worker) -> KillInStep | None:
         return None
     injector = KillInStep.parse(value)
     attachment = worker.cache.attachment
-    if attachment.mapping is None or attachment.generation != 1:
+    if not attachment.shared or attachment.generation != 1:
         log.info("fault injector not armed: this worker is not the first on a shared KV pool")
         return None
     injector.arm(worker)

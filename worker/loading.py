@@ -13,10 +13,20 @@ from dataclasses import dataclass
 import torch
 
 from models.files import ModelFiles, resolve_model
+from protocol.blocks import blocks_for
 from protocol.kv_pool import PoolGeometry
 from worker.config import WorkerConfig, resolve_max_model_len
 from worker.kv.cache import KVCache, default_budget
-from worker.kv.shared import RANK_WAIT_S, Attachment, PeerPools, agree, attach, private
+from worker.kv.shared import (
+    ATTACH_TIMEOUT_S,
+    DEVICE_ATTACH_TIMEOUT_S,
+    RANK_WAIT_S,
+    Attachment,
+    PeerPools,
+    agree,
+    attach,
+    private,
+)
 from worker.linear.build import apply_plan, q4_facts
 from worker.model.llama import LlamaModel, ModelSpec
 from worker.model.loader import load_checkpoint, load_q4
@@ -109,16 +119,25 @@ def make_cache(
         head_dim=spec.head_dim,
         dtype=plan.torch_kv_dtype,
     )
-    num_blocks = config.num_blocks
+    num_blocks, short = config.num_blocks, None
     if num_blocks is None:
         # A host's ranks share its RAM (each GPU rank has its own device); an explicit
         # --kv-cache-memory is each rank's own.
         ranks_here = group.local_size if plan.kv_pool == "host" else 1
         budget = config.kv_cache_memory or default_budget(plan.kv_pool) // ranks_here
         per_block = KVCache.bytes_per_block(**geometry)
-        num_blocks = KVCache.blocks_for_budget(
-            budget, per_block, loaded.max_model_len, config.block_size
-        )
+        try:
+            num_blocks = KVCache.blocks_for_budget(
+                budget, per_block, loaded.max_model_len, config.block_size
+            )
+        except ValueError as exc:
+            if not (config.shared_kv_pool and plan.kv_pool == "device"):
+                raise
+            # A worker that restarts beside the holder's device pool finds the GPU's memory
+            # taken by the very pool it is about to open: it asks for any size (the holder's
+            # pool is adopted), and the budget's error stands only if it gets none.
+            short = exc
+            num_blocks = blocks_for(loaded.max_model_len, config.block_size)
     num_blocks = group.min_int(num_blocks)  # one pool: the same block count everywhere
     attachment = None
     if config.shared_kv_pool:
@@ -141,6 +160,8 @@ def make_cache(
             log.warning(
                 "KV pool: private, not shared (%s): %s", attachment.fallback, attachment.reason
             )
+    if short is not None and (attachment is None or attachment.geometry is None):
+        raise short
     cache = KVCache(
         num_blocks=num_blocks,
         device=plan.device,
@@ -210,4 +231,6 @@ def _attach(
     )
     # A restarted group's rank may ask before the lost group's rank has stopped mapping it.
     wait_s = RANK_WAIT_S if group.size > 1 else 0.0
-    return attach(holder, geometry, any_size, standby=standby, wait_s=wait_s)
+    # A holder's first device pool waits for it to import torch, start CUDA and zero the pool.
+    timeout_s = DEVICE_ATTACH_TIMEOUT_S if pool != "host" else ATTACH_TIMEOUT_S
+    return attach(holder, geometry, any_size, timeout_s, standby=standby, wait_s=wait_s)

@@ -180,10 +180,9 @@ class Worker:
                 step = tp_steps.lead(self.group, step, self.row_table)
             self.row_table.check(step, self.spec.vocab_size)
             # Only the leader answers the scheduler: it sums every rank's shard of a block.
-            leader = self.group.leader
+            leader, bs = self.group.leader, self.config.block_size
             asked = (step.verify_blocks, step.verify_ranges) if leader else ([], [])
             verified, verified_ranges = self.cache.asked_sums(*asked)
-            bs = self.config.block_size
             self.row_table.release(step.released_slots)
             self.row_table.rewind(step.rewinds)
             applied = [self.row_table.apply(item) for item in step.items]
@@ -217,9 +216,10 @@ class Worker:
                 launched = self.runner.queue(step, applied, sampled, start_masks, early, audit)
             launched.launch_s = time.perf_counter() - began
             launched.verified, launched.verified_ranges = verified, verified_ranges
-            if self.cache.attachment.mapping is not None and leader:  # sum what it writes
-                launched.filled = filled_blocks(step, applied, self.config.block_size)
-                launched.partial = partial_ranges(step, applied, self.config.block_size)
+            if self.cache.attachment.shared and leader:  # sum what it writes
+                launched.filled = filled_blocks(step, applied, bs)
+                launched.partial = partial_ranges(step, applied, bs)
+                launched.sums = self.cache.queue_sums(launched.filled, launched.partial)
             self._in_flight.append(launched)
             return launched
         finally:
@@ -238,7 +238,7 @@ class Worker:
             self._in_step = False
             self._step_ended = time.monotonic()
         masks = launched.masks
-        filled, partial = self.cache.asked_sums(launched.filled, launched.partial)  # what it wrote
+        filled, partial = self.cache.written_sums(launched.filled, launched.partial, launched.sums)
         result = StepResult(
             step_id=launched.step.step_id,
             samples=samples,

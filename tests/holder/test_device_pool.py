@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import torch
 
-from holder.device_pool import exited
+from holder.device_pool import exited, started
 from holder.process import Holder
 from protocol.kv_pool import (
     PROTOCOL_VERSION,
@@ -102,13 +102,15 @@ def test_a_handle_that_does_not_open_falls_back_to_a_private_pool():
 def test_a_device_pool_is_fenced_until_its_last_worker_has_exited():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert not exited(child.pid)
+        start = started(child.pid)
+        assert not exited(child.pid) and not exited(child.pid, start)
+        assert exited(child.pid, start + 1)  # its pid, another process's start: reused
         os.kill(child.pid, signal.SIGKILL)
         # Wait for the exit without reaping it: a zombie has closed its files (the GPU's too).
         os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
         with open(f"/proc/{child.pid}/stat") as stat:
             assert stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-        assert exited(child.pid)
+        assert exited(child.pid) and exited(child.pid, start)
     finally:
         child.kill()
         child.wait(timeout=30)

@@ -25,7 +25,9 @@ PRIME = 2**31 - 1
 # Blocks summed in one go: their words' int64 terms take 4 times their bytes (a prefill chunk of
 # 2,048 tokens fills 128 blocks, 256 MB of K/V for an 8B model's 2 MB blocks).
 BLOCKS_AT_ONCE = 16
-_STRIDE = 2654435761 % PRIME  # Knuth's multiplicative hash: neighbouring words far apart
+# Neighbouring words far apart, and coprime with PRIME - 1: every weight differs from the
+# next 2^31 - 2 places' (a multiplicative congruential generator's multiplier).
+_STRIDE = 1664525
 
 
 def open_granted(grant: PoolGranted, asked: PoolGeometry, any_size: bool):
@@ -79,7 +81,7 @@ class WeightedSums:
         device, nothing waited for."""
         sums = []
         for at in range(0, len(blocks), BLOCKS_AT_ONCE):
-            index = torch.tensor(blocks[at : at + BLOCKS_AT_ONCE], device=self.pool.device)
+            index = self._index(blocks[at : at + BLOCKS_AT_ONCE])
             data = (
                 self.pool.index_select(3, index).movedim(3, 0).contiguous()
             )  # (n, L, 2, H, bs, hd)
@@ -89,20 +91,26 @@ class WeightedSums:
             size = self.block_size
             slots = [block * size + s for block, first, end in ranges for s in range(first, end)]
             flat = self.pool.flatten(3, 4)  # (L, 2, H, (N + 1) * bs, hd)
-            index = torch.tensor(slots, device=self.pool.device)
+            index = self._index(slots)
             data = flat.index_select(3, index).movedim(3, 0).contiguous()  # (S, L, 2, H, hd)
             words = data.view(torch.int32).view(len(slots), -1)  # (S, slot_words)
             # Each range's slots end to end: a word's place counts from its range's first slot.
             within = [s for _, first, end in ranges for s in range(end - first)]
-            offsets = torch.tensor(within, device=self.pool.device)[:, None] * words.shape[1]
+            offsets = self._index(within)[:, None] * words.shape[1]
             terms = self._terms(words, offsets)  # (S, slot_words)
             owner = [i for i, (_, first, end) in enumerate(ranges) for _ in range(end - first)]
             per_range = torch.zeros(len(ranges), dtype=torch.int64, device=self.pool.device)
-            per_range.index_add_(0, torch.tensor(owner, device=self.pool.device), terms.sum(1))
+            per_range.index_add_(0, self._index(owner), terms.sum(1))
             sums.append(per_range % PRIME)
         if not sums:
             return torch.zeros(0, dtype=torch.int64, device=self.pool.device)
         return torch.cat(sums)
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        """int64 ``values`` on the pool's device, copied without waiting: ``torch.tensor(...,
+        device=cuda)`` would copy synchronously, behind the step already queued."""
+        host = torch.tensor(values, dtype=torch.long, pin_memory=self.pool.is_cuda)
+        return host.to(self.pool.device, non_blocking=True)
 
     def _sum(self, words: torch.Tensor) -> torch.Tensor:
         """(N, W) int32 words -> (N,) int64 sums, each word at its place in its row."""

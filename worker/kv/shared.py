@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 # (from /proc, microseconds; a holder restarting on a stale socket file, a supervisor's backoff).
 HOLDER_START_S = 30.0
 ATTACH_TIMEOUT_S = 5.0
+# A holder's first device pool comes after it imports torch, starts CUDA and zeroes the pool.
+DEVICE_ATTACH_TIMEOUT_S = 60.0
 _SOCKET_POLL_S = 0.02
 STANDBY_POLL_S = 0.02  # a standby asks this often: the holder answers from /proc, in microseconds
 # A restarted group's rank waits this long for the lost group's rank to stop mapping its pool:
