@@ -69,8 +69,9 @@ class SchedulerConfig:
     speculative_max_running: int = field(
         default=8,
         metadata={
-            "help": "no drafts while more requests than this run: a step with drafts is not a "
-            "decode step (no CUDA graph or compiled step), and in a busy batch drafts rarely pay"
+            "help": "no drafts while more requests than this run: each draft is a row of 4-bit "
+            "arithmetic (on a GPU, a step without CUDA graphs), and in a busy batch drafts "
+            "rarely pay"
         },
     )
 

@@ -10,9 +10,10 @@ probability p(d) = min(1, p(d)/q(d)), and on rejection the token sampled is draw
 renormalized, which is the residual max(0, p - q) normalized. So a seeded request gives the
 same text with or without speculation (docs/speculative.md).
 
-No request drafts while more than ``max_running`` run (``--speculative-max-running``): a step
-with drafts runs eagerly, not as a captured or compiled decode step, which costs every row of a
-busy batch, and a request that drafts sits out the step planned while its verification flies.
+No request drafts while more than ``max_running`` run (``--speculative-max-running``): each
+draft is one more row of the step's arithmetic (on a GPU the step also runs without its CUDA
+graphs), which costs every row of a busy batch, and a request that drafts sits out the step
+planned while its verification flies.
 
 Requests that never draft: those with repetition, presence or frequency penalties, or asking
 for logprobs (the worker would have to roll those states back per position), those with a

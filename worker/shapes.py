@@ -14,9 +14,12 @@ from protocol.blocks import ceil_div
 
 
 def padded_count(n: int) -> int:
-    """Token counts and batch sizes: exact to 4, then multiples of 4 to 64, of 16 to 256, of
-    64 to 1024 and of 256 beyond (at most 3 padding rows below 64, and under a quarter above)."""
-    if n <= 4:
+    """Token counts and batch sizes: exact to 8, then multiples of 4 to 64, of 16 to 256, of
+    64 to 1024 and of 256 beyond (at most 3 padding rows below 64, and under a quarter above).
+    Exact to 8: a request verifying its drafts alone is a step of ``k + 1`` rows, and on the
+    CPU each padding row of a small step costs about a row's share of the 4-bit weights'
+    arithmetic, where the rows themselves only stream them (docs/speculative.md)."""
+    if n <= 8:
         return n
     for limit, multiple in ((64, 4), (256, 16), (1024, 64)):
         if n <= limit:

@@ -25,17 +25,19 @@ HEADS = dict(
 )
 
 
-def reference(q, kv, layer, blocks, cached):
-    """float64 softmax attention of each row over its cached slots, then its own new k/v."""
+def reference(q, kv, layer, blocks, cached, first=None):
+    """float64 softmax attention of each row over its cached slots, then the new k/v of its
+    group's rows (``first[b]`` to b; without ``first``, its own alone)."""
     batch, nq, hd = q.shape
     n_kv = layer.shape[1]
     group = nq // n_kv
     out = torch.empty(batch, nq, hd, dtype=torch.float64)
     for b in range(batch):
         slots = [int(blocks[b, t // BLOCK]) * BLOCK + t % BLOCK for t in range(int(cached[b]))]
+        new = slice(b if first is None else int(first[b]), b + 1)
         for h in range(n_kv):
-            keys = torch.cat([layer[0, h, slots], kv[b, 0, h][None]]).double()  # (L + 1, hd)
-            values = torch.cat([layer[1, h, slots], kv[b, 1, h][None]]).double()
+            keys = torch.cat([layer[0, h, slots], kv[new, 0, h]]).double()  # (L + n, hd)
+            values = torch.cat([layer[1, h, slots], kv[new, 1, h]]).double()
             queries = q[b, h * group : (h + 1) * group].double()  # (group, hd)
             weights = torch.softmax(queries @ keys.T / hd**0.5, dim=-1)
             out[b, h * group : (h + 1) * group] = weights @ values
@@ -56,3 +58,16 @@ def case(
     qkv = torch.randn(len(lengths), nq + 2 * n_kv, hd, generator=gen).to(dtype)
     q, kv = qkv[:, :nq], qkv[:, nq:].view(len(lengths), 2, n_kv, hd)
     return q, kv, layer, blocks, torch.tensor(lengths)
+
+
+def grouped(q, kv, layer, blocks, cached, sizes: list[int]):
+    """The case's rows as groups of ``sizes`` rows (a token and its drafts): each group's rows
+    share its first row's table and cached count; -> (blocks, cached, first)."""
+    blocks, cached, first, row = blocks.clone(), cached.clone(), [], 0
+    for size in sizes:
+        blocks[row : row + size] = blocks[row]
+        cached[row : row + size] = cached[row]
+        first += [row] * size
+        row += size
+    assert row == q.shape[0]
+    return blocks, cached, torch.tensor(first)

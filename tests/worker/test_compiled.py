@@ -132,6 +132,45 @@ def test_a_thread_count_switch_keeps_the_steps_compiled(compiled_worker, tiny_re
         torch.set_num_threads(full)
 
 
+def test_verification_steps_run_compiled_with_transformers_greedy_tokens(
+    compiled_worker, monkeypatch
+):
+    """A request's token and its drafts are one group of decode rows (causal within itself,
+    in the decode attention operator), so a step that verifies drafts runs in the same graphs:
+    greedy output with drafts is transformers' token for token, and the steps that carried
+    drafts ran compiled, their logits compared in float32."""
+    from protocol.messages import SamplingParams
+    from scheduler.config import SchedulerConfig
+    from scheduler.engine import Engine
+    from tests.worker.conftest import hf_greedy, hf_model
+
+    worker = compiled_worker
+    # Prompts that repeat themselves (and the tiny model's greedy loops): drafts are found.
+    prompts = [[1] + [40 + i, 41 + i, 42 + i, 43 + i] * 3 for i in range(3)] + [[1, 55]]
+    model = hf_model(Path(worker.config.model))
+    expected = [hf_greedy(model, p, 24, [2]) for p in prompts]
+    config = dict(speculative="ngram", num_speculative_tokens=4, audit=True, watermark_blocks=0)
+    engine = Engine.for_worker(worker, SchedulerConfig(**config))
+    compiled, launched = worker.compiled.steps, []
+    kind = type(worker.compiled)
+    original = kind.__call__
+
+    def counted(self, ids, positions, meta):
+        """Whether each compiled step had a group of more than one row."""
+        launched.append(int(meta.decodes.first.ne(torch.arange(len(ids))).any()))
+        return original(self, ids, positions, meta)
+
+    monkeypatch.setattr(kind, "__call__", counted)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    monkeypatch.undo()
+    step = engine.plan()
+    if step is not None:
+        engine.apply(worker.execute(step))
+    assert [o.new_token_ids for o in outs] == expected
+    assert engine.scheduler.speculation.accepted_total > 0
+    assert sum(launched) >= 3 and worker.compiled.steps - compiled == len(launched), launched
+
+
 def test_bigger_decode_batches_and_mixed_steps_stay_eager(
     compiled_worker, tiny_reference, monkeypatch
 ):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.worker.attention_cases import BLOCK, HEADS, case, reference
+from tests.worker.attention_cases import BLOCK, HEADS, case, grouped, reference
 from tests.worker.conftest import make_worker
 from tests.worker.kernel_checks import require_kernels
 from worker.attention import CpuF32Backend, TorchBackend
@@ -27,8 +27,8 @@ def built(private_cache):
     require_kernels("avx2")
 
 
-def attend(q, kv, layer, blocks, cached, block_size=BLOCK):
-    return torch.ops.nanoserve.decode_attention_f32(q, kv, layer, blocks, cached, block_size)
+def attend(q, kv, layer, blocks, cached, block_size=BLOCK, first=None):
+    return torch.ops.nanoserve.decode_attention_f32(q, kv, layer, blocks, cached, block_size, first)
 
 
 def _f32_case(n_kv: int, nq: int, hd: int, lengths: list[int], seed: int):
@@ -46,6 +46,26 @@ def test_it_equals_float64_attention_to_float32_rounding(n_kv, nq, hd):
     # float32 sums of up to 256 products of order 1, and the exp's 2e-7.
     error = (got.double() - want).abs()
     assert (error <= want.abs() * 1e-5 + 1e-5).all(), error.max().item()
+
+
+@pytest.mark.parametrize(**HEADS)
+def test_groups_attend_causally_within_themselves(n_kv, nq, hd):
+    """A request's token and its drafts (rows sharing a table and a cached context): each row
+    sees the cached positions, then its group's new tokens up to its own, none after."""
+    lengths = [17, 17, 17, 40, 100, 100, 100, 100, 100, 0, 0]
+    q, kv, layer, blocks, cached = _f32_case(n_kv, nq, hd, lengths, seed=nq + hd + 7)
+    blocks, cached, first = grouped(q, kv, layer, blocks, cached, [3, 1, 5, 2])
+    got = attend(q, kv, layer, blocks, cached, first=first)
+    want = reference(q, kv, layer, blocks, cached, first)
+    error = (got.double() - want).abs()
+    assert (error <= want.abs() * 1e-5 + 1e-5).all(), error.max().item()
+    alone = attend(q, kv, layer, blocks, cached)
+    assert torch.equal(alone[[0, 3]], got[[0, 3]]) and not torch.equal(alone[1], got[1])
+    half = layer.half()
+    assert torch.equal(attend(q, kv, half, blocks, cached, first=first),
+                       attend(q, kv, half.float(), blocks, cached, first=first))  # fmt: skip
+    with pytest.raises(RuntimeError, match="row 2's group begins at row 3"):
+        attend(q, kv, layer, blocks, cached, first=torch.tensor([0, 0, 3, 3, 4, 4, 4, 4, 4, 9, 9]))
 
 
 @pytest.mark.parametrize(**HEADS)

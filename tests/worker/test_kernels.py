@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.worker.attention_cases import BLOCK, HEADS, case, reference
+from tests.worker.attention_cases import BLOCK, HEADS, case, grouped, reference
 from tests.worker.conftest import make_worker
 from tests.worker.kernel_checks import require_kernels
 from tests.worker.q4_cases import dequantized64, q4_case, w4a8_reference
@@ -45,6 +45,29 @@ def test_decode_attention_equals_float64_attention_to_bfloat16_rounding(n_kv, nq
     # float32 arithmetic, then one rounding to bfloat16 (8 significant bits).
     error = (got.double() - want).abs()
     assert (error <= want.abs() * 2**-8 + 1e-4).all(), error.max().item()
+
+
+@pytest.mark.parametrize(**HEADS)
+def test_decode_attention_groups_attend_causally_within_themselves(n_kv, nq, hd):
+    """A request's token and its drafts (rows sharing a table and a cached context): each row
+    sees the cached positions, then its group's new tokens up to its own, none after."""
+    lengths = [17, 17, 17, 40, 100, 100, 100, 100, 100, 0, 0]
+    q, kv, layer, blocks, cached = case(n_kv, nq, hd, lengths, seed=nq + hd + 7)
+    blocks, cached, first = grouped(q, kv, layer, blocks, cached, [3, 1, 5, 2])
+    got = torch.ops.nanoserve.decode_attention(q, kv, layer, blocks, cached, BLOCK, first)
+    want = reference(q, kv, layer, blocks, cached, first)
+    error = (got.double() - want).abs()
+    assert (error <= want.abs() * 2**-8 + 1e-4).all(), error.max().item()
+    alone = torch.ops.nanoserve.decode_attention(q, kv, layer, blocks, cached, BLOCK)
+    assert torch.equal(alone[[0, 3]], got[[0, 3]])  # a group's first row sees no other row
+    assert not torch.equal(alone[1], got[1])
+    rows = torch.arange(len(lengths))
+    assert torch.equal(torch.ops.nanoserve.decode_attention(
+        q, kv, layer, blocks, cached, BLOCK, rows), alone)  # fmt: skip
+    with pytest.raises(RuntimeError, match="row 2's group begins at row 3"):
+        bad = first.clone()
+        bad[2] = 3
+        torch.ops.nanoserve.decode_attention(q, kv, layer, blocks, cached, BLOCK, bad)
 
 
 def test_a_sharp_softmax_and_a_nan_behave_as_torchs():

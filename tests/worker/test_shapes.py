@@ -21,8 +21,9 @@ def test_buckets_cover_every_size_and_are_few():
         assert n <= padded_count(n) and padded_count(padded_count(n)) == padded_count(n)
     for n in range(1, 8193):
         assert n <= padded_length(n) and padded_length(padded_length(n)) == padded_length(n)
-    assert len(counts) == 55 and len(lengths) == 48
-    assert padded_count(1) == 1 and padded_count(5) == 8 and padded_count(65) == 80
+    assert len(counts) == 58 and len(lengths) == 48
+    assert padded_count(5) == 5 and padded_count(8) == 8 and padded_count(9) == 12
+    assert padded_count(1) == 1 and padded_count(65) == 80
     assert padded_length(1) == 32 and padded_length(257) == 320
 
 
@@ -38,26 +39,49 @@ def _meta(items, trash_block):
 
 
 def test_decode_step_pads_with_decodes_that_write_only_the_trash_block():
-    # Five decodes (T=5 -> 8) with contexts of 9..13 tokens (4 blocks -> 8, i.e. 32 positions).
-    items = [([10 * r + b for b in range(4)], 8 + r, 1) for r in range(5)]
+    # Nine decodes (T=9 -> 12) with contexts of 9..17 tokens (5 blocks -> 8, i.e. 32 positions).
+    items = [([10 * r + b for b in range(5)], 8 + r, 1) for r in range(9)]
     meta = _meta(items, trash_block=99)
-    assert meta.num_tokens == 8 and meta.decode_tokens is None
-    assert meta.write_index[:5].tolist() == _meta(items, None).write_index.tolist()
-    assert all(99 * 4 <= i < 100 * 4 for i in meta.write_index[5:].tolist())
-    assert meta.decodes.blocks.numel() == 8 * 8 and meta.decodes.bias.shape == (2 * 8, 1, 32)
+    assert meta.num_tokens == 12 and meta.decode_tokens is None
+    assert meta.write_index[:9].tolist() == _meta(items, None).write_index.tolist()
+    assert all(99 * 4 <= i < 100 * 4 for i in meta.write_index[9:].tolist())
+    assert meta.decodes.blocks.numel() == 12 * 8 and meta.decodes.bias.shape == (2 * 12, 1, 32)
     # Padding decodes attend over the first decode's blocks and context, never the trash.
-    blocks = meta.decodes.blocks.view(8, 8)
-    assert all(torch.equal(blocks[r], blocks[0]) for r in range(5, 8))
+    blocks = meta.decodes.blocks.view(12, 8)
+    assert all(torch.equal(blocks[r], blocks[0]) for r in range(9, 12))
     assert 99 not in meta.decodes.blocks.view(-1).tolist()
+    assert meta.decodes.first.tolist() == list(range(12))  # every row its own group
 
 
 def test_mixed_step_pads_its_decode_batch_and_keeps_the_real_targets():
-    items = [([1, 2, 3], 0, 10)] + [([10 * r + b for b in range(3)], 5, 1) for r in range(1, 6)]
+    items = [([1, 2, 3], 0, 10)] + [([10 * r + b for b in range(3)], 5, 1) for r in range(1, 10)]
     meta = _meta(items, trash_block=99)
-    assert meta.num_tokens == 16  # 10 prompt tokens + 5 decodes = 15 -> 16
-    assert meta.decode_targets.tolist() == [10, 11, 12, 13, 14]
-    assert meta.decode_tokens.tolist() == [10, 11, 12, 13, 14, 10, 10, 10]
+    assert meta.num_tokens == 20  # 10 prompt tokens + 9 decodes = 19 -> 20
+    assert meta.decode_targets.tolist() == list(range(10, 19))
+    assert meta.decode_tokens.tolist() == [*range(10, 19), 10, 10, 10]
     assert len(meta.prefills) == 1 and meta.prefills[0].end == 10
+    assert meta.decodes.first.tolist() == list(range(12))
+
+
+def test_a_token_and_its_drafts_are_one_group_of_decode_rows_where_the_backend_takes_them():
+    # A prompt chunk, a decode, a token with three drafts, another decode.
+    items = [([1, 2, 3], 0, 6), ([4, 5], 5, 1), ([6, 7, 8, 11], 9, 4), ([9, 10], 6, 1)]
+    grouped = AttentionMetadata.build(
+        items, block_size=4, n_kv_heads=2, dtype=torch.float32, device="cpu", trash_block=99,
+        groups=[False, False, True, False], group_rows=17,
+    )  # fmt: skip
+    assert len(grouped.prefills) == 1  # the prompt's chunk alone
+    assert grouped.decode_targets.tolist() == [6, 7, 8, 9, 10, 11]
+    # Rows 1 to 4 are the group: each sees the cached 9 positions, then rows 1 to itself.
+    assert grouped.decodes.first.tolist()[:6] == [0, 1, 1, 1, 1, 5]
+    assert grouped.decodes.cached.tolist()[:6] == [5, 9, 9, 9, 9, 6]
+    assert grouped.write_index[7:11].tolist() == [8 * 4 + 1, 8 * 4 + 2, 8 * 4 + 3, 11 * 4]
+    # Where the backend takes no groups (group_rows 0), the same item is a prefill span.
+    plain = AttentionMetadata.build(
+        items, block_size=4, n_kv_heads=2, dtype=torch.float32, device="cpu", trash_block=99,
+        groups=[False, False, True, False],
+    )  # fmt: skip
+    assert [(span.begin, span.end) for span in plain.prefills] == [(0, 6), (7, 11)]
 
 
 def test_padded_worker_step_writes_only_real_positions_and_the_trash_block(tiny_dir):

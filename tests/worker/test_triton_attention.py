@@ -221,24 +221,24 @@ def test_a_mixed_step_equals_float64_and_the_torch_backend(
 
 
 def test_a_decode_only_step_pads_its_rows_into_the_trash_block(triton_backend):
-    """Five decodes padded to eight: the padding tokens write the trash block and attend as
+    """Nine decodes padded to twelve: the padding tokens write the trash block and attend as
     copies of the first row; the real rows are the unpadded step's."""
     n_kv, nq, hd, bs, dtype = 2, 4, 16, 4, torch.float32
     gen = torch.Generator().manual_seed(5)
-    cached = [3, 4, 9, 13, 1]
+    cached = [3, 4, 9, 13, 1, 2, 6, 7, 11]
     blocks = tables([n + 1 for n in cached], bs, gen)
     items = [(table, n, 1) for table, n in zip(blocks, cached, strict=True)]
     triton, _ = backends(triton_backend, n_kv, nq, hd, bs, dtype)
     meta = triton.metadata(items, trash_block=NUM_BLOCKS)
-    assert meta.num_tokens == 8 and not meta.prefills and meta.decodes.blocks.shape[0] == 8
+    assert meta.num_tokens == 12 and not meta.prefills and meta.decodes.blocks.shape[0] == 12
     layer = pool(n_kv, hd, bs, dtype, gen)
-    q, kv = queries(8, n_kv, nq, hd, dtype, gen)
+    q, kv = queries(12, n_kv, nq, hd, dtype, gen)
     padded, plain = layer.clone(), layer.clone()
     got = triton.forward(q, kv, padded, meta)
-    alone = triton.forward(q[:5], kv[:5], plain, triton.metadata(items))
-    assert torch.equal(got[:5], alone) and got.isfinite().all()
+    alone = triton.forward(q[:9], kv[:9], plain, triton.metadata(items))
+    assert torch.equal(got[:9], alone) and got.isfinite().all()
     trash = NUM_BLOCKS * bs  # padding token i writes the trash block's slot i % bs
-    assert torch.equal(padded[:, :, trash + 1 : trash + 4], kv[5:8].permute(1, 2, 0, 3))
+    assert torch.equal(padded[:, :, trash + 1 : trash + 4], kv[9:12].permute(1, 2, 0, 3))
     assert torch.equal(padded[:, :, : NUM_BLOCKS * bs], plain[:, :, : NUM_BLOCKS * bs])
 
 
@@ -298,7 +298,7 @@ def test_a_worker_on_the_triton_plan_picks_the_torch_plans_tokens(triton_backend
     the trash block, the pool poisoned with NaN): the same greedy tokens as the torch plan's,
     logits within float32's rounding."""
     generic, plan = triton_plan(tiny_dir)
-    # "a" prefills in chunks of 6 beside the others' decodes; then five rows decode, padded to 8
+    # "a" prefills in chunks of 6 beside the others' decodes; then five rows decode
     prompts = {"a": list(range(3, 30)), "b": [5, 6, 7], "c": [9, 8, 7, 6], "d": [4], "e": [8, 9]}
     workers = [make_worker(tiny_dir, plan=chosen) for chosen in (plan, generic)]
     assert type(workers[0].attention) is triton_backend.TritonBackend

@@ -34,6 +34,9 @@ class AttentionBackend(ABC):
     """Paged attention for one model's heads over one cache's blocks."""
 
     name: str  # how the worker's log names it
+    # The most rows of a group (a request's token and its draft tokens) its decode attends
+    # causally within (``DecodeRows``); 0: none, such an item is a prefill span.
+    group_rows: int = 0
 
     def __init__(
         self,
@@ -56,10 +59,13 @@ class AttentionBackend(ABC):
         *,
         trash_block: int | None = None,
         device: str | None = None,
+        groups: list[bool] | None = None,
     ) -> AttentionMetadata:
         """One step's metadata from ``(block_table, start, num_new)`` per item (see
         ``AttentionMetadata.build``), on ``device`` (default the backend's: the worker builds
-        it on the host and sends it with the step's other inputs, ``worker.step.pack``)."""
+        it on the host and sends it with the step's other inputs, ``worker.step.pack``).
+        ``groups``: the items that are a token and its drafts, decode groups where this backend
+        takes them (``group_rows``)."""
         return AttentionMetadata.build(
             items,
             block_size=self.block_size,
@@ -67,11 +73,16 @@ class AttentionBackend(ABC):
             dtype=self.dtype,
             device=device or self.device,
             trash_block=trash_block,
+            groups=groups,
+            group_rows=self.group_rows,
         )
 
-    def decode_rows(self, blocks: torch.Tensor, cached: torch.Tensor) -> DecodeRows:
-        """A compiled step's decodes from its block ids (B, M) and cached counts (B,)."""
-        return DecodeRows.of(blocks, cached, self.block_size, self.n_kv_heads, self.dtype)
+    def decode_rows(
+        self, blocks: torch.Tensor, cached: torch.Tensor, first: torch.Tensor | None = None
+    ) -> DecodeRows:
+        """A compiled step's decodes from its block ids (B, M), cached counts (B,) and groups'
+        first rows (B,; None: each row alone)."""
+        return DecodeRows.of(blocks, cached, self.block_size, self.n_kv_heads, self.dtype, first)
 
     def forward(
         self,
@@ -114,7 +125,9 @@ class AttentionBackend(ABC):
         scratch: Scratch | None = None,
     ) -> torch.Tensor:
         """q (B, n_heads, hd) and the rows' new kv (B, 2, n_kv, hd) -> (B, n_heads, hd): each
-        row attends over its ``rows.cached`` positions in ``layer`` and then its own new k/v.
+        row attends over its ``rows.cached`` positions in ``layer`` and then the new k/v of its
+        group (``rows.first``; a backend without ``group_rows`` never gets a group), its own
+        last.
         Reads ``layer`` only. ``scratch`` lends buffers where the call is not being traced."""
 
     @abstractmethod

@@ -19,6 +19,8 @@ class CpuKernelBackend(TorchBackend):
     kernel (``kernel_prefill``)."""
 
     decode_op: str  # the torch.ops.nanoserve operator of this backend's decodes
+    # A request's token and up to 16 drafts (``scheduler.speculation``'s most) in one group.
+    group_rows = 17
 
     def __init__(self, *, prefill_kernel: bool, **geometry) -> None:
         super().__init__(**geometry)
@@ -34,7 +36,7 @@ class CpuKernelBackend(TorchBackend):
     ) -> torch.Tensor:
         """See ``AttentionBackend.decode``; reads the cache in place, so needs no scratch."""
         attend = getattr(torch.ops.nanoserve, self.decode_op)
-        return attend(q, kv, layer, rows.blocks, rows.cached, self.block_size)
+        return attend(q, kv, layer, rows.blocks, rows.cached, self.block_size, rows.first)
 
     def prefill(
         self, q: torch.Tensor, kv: torch.Tensor, layer: torch.Tensor, span: PrefillSpan

@@ -27,12 +27,18 @@ from worker.shapes import padded_count, padded_length
 
 
 class DecodeRows(NamedTuple):
-    """The step's decodes: one query per row over the row's cached positions and its new k/v."""
+    """The step's decodes: one query per row over the row's cached positions and its new k/v.
+
+    A group of rows (a request's token and its draft tokens, at consecutive positions over one
+    cached context) attends causally within itself: row r attends over its cached positions,
+    then the new k/v of rows ``first[r]`` to r. Only a backend with ``group_rows`` builds
+    groups; elsewhere ``first[r]`` is r."""
 
     blocks: torch.Tensor  # (B, M) int64 each row's block ids, padded to M blocks
     cached: torch.Tensor  # (B,) int64 positions each row has cached, its new token not included
     bias: torch.Tensor  # (n_kv * B, 1, M * bs) 0 up to the new token's position, -inf beyond
     new_slot: torch.Tensor  # (B,) int64 where each row's new token sits in a (B * M * bs) gather
+    first: torch.Tensor  # (B,) int64 the first row of each row's group
 
     @classmethod
     def of(
@@ -42,16 +48,20 @@ class DecodeRows(NamedTuple):
         block_size: int,
         n_kv_heads: int,
         dtype: torch.dtype,
+        first: torch.Tensor | None = None,
     ) -> DecodeRows:
-        """From the padded block ids (B, M) and cached counts (B,); plain tensor code, so a
-        compiled graph builds its own from its inputs."""
+        """From the padded block ids (B, M), cached counts (B,) and groups' first rows (B,;
+        None: every row alone); plain tensor code, so a compiled graph builds its own from its
+        inputs."""
         batch, width = blocks.shape[0], blocks.shape[1] * block_size
         positions = torch.arange(width, device=blocks.device)  # (L,)
         past = positions[None, :] > cached[:, None]  # (B, L)
         bias = torch.zeros(past.shape, dtype=dtype, device=blocks.device)
         bias = bias.masked_fill_(past, float("-inf"))[None].expand(n_kv_heads, -1, -1)
-        new_slot = torch.arange(batch, device=blocks.device) * width + cached
-        return cls(blocks, cached, bias.reshape(n_kv_heads * batch, 1, width), new_slot)
+        rows = torch.arange(batch, device=blocks.device)
+        new_slot = rows * width + cached
+        first = rows if first is None else first
+        return cls(blocks, cached, bias.reshape(n_kv_heads * batch, 1, width), new_slot, first)
 
     def to(self, device: str) -> DecodeRows:
         """The same rows on ``device``."""
@@ -117,16 +127,23 @@ class AttentionMetadata:
         device: str,
         trash_block: int | None = None,
         batch_prefills: bool = False,
+        groups: list[bool] | None = None,
+        group_rows: int = 0,
     ) -> AttentionMetadata:
         """From ``(block_table, start, num_new)`` per item, in batch order; padded to bucketed
         sizes when given the cache's ``trash_block``; with ``batch_prefills``, the prefill spans
-        in one ``PrefillBatch`` too."""
+        in one ``PrefillBatch`` too. An item that ``groups`` marks (a token and its drafts) of
+        at most ``group_rows`` tokens over a cached context is a group of decode rows
+        (``DecodeRows``), not a prefill span."""
         write, decodes, prefills, spans, offset = [], [], [], [], 0
-        for table, start, n in items:
+        for index, (table, start, n) in enumerate(items):
             positions = range(start, start + n)
             write.extend(table[p // block_size] * block_size + p % block_size for p in positions)
-            if n == 1 and start > 0:
-                decodes.append((offset, table, start))
+            grouped = groups is not None and groups[index] and 1 < n <= group_rows
+            if (n == 1 or grouped) and start > 0:
+                # (batch position, table, cached, the group's first row in ``decodes``)
+                head = len(decodes)
+                decodes.extend((offset + j, table, start, head) for j in range(n))
             else:
                 prefills.append(_prefill_span(table, start, n, offset, block_size, device))
                 spans.append((table, start, n, offset))
@@ -138,7 +155,8 @@ class AttentionMetadata:
             write.extend(trash + i % block_size for i in range(offset, num_tokens))
             decodes = _padded_decodes(decodes, offset, num_tokens, mixed=bool(prefills))
         blocks, cached = _decode_tables(decodes, block_size, bucketed=trash_block is not None)
-        rows = DecodeRows.of(blocks, cached, block_size, n_kv_heads, dtype)
+        first = torch.tensor([d[3] for d in decodes], dtype=torch.long)  # (B,)
+        rows = DecodeRows.of(blocks, cached, block_size, n_kv_heads, dtype, first)
         tokens = targets = None
         batch = batch_prefills and bool(spans)
         if prefills:
@@ -156,15 +174,17 @@ class AttentionMetadata:
 
 
 def _padded_decodes(decodes, offset: int, num_tokens: int, mixed: bool):
-    """Copies of the first decode. In a decode-only step, one per padding token: a single
-    batched attention covers all T rows. In a mixed step, enough to bucket the decode batch,
-    all at the first decode's own position. Their outputs are never used."""
+    """Copies of the first decode, each a group of its own. In a decode-only step, one per
+    padding token: a single batched attention covers all T rows. In a mixed step, enough to
+    bucket the decode batch, all at the first decode's own position. Their outputs are never
+    used."""
     if not decodes:
         return decodes
+    at, table, cached, _ = decodes[0]
     if mixed:
-        return decodes + [decodes[0]] * (padded_count(len(decodes)) - len(decodes))
-    _, table, cached = decodes[0]
-    return decodes + [(i, table, cached) for i in range(offset, num_tokens)]
+        count = padded_count(len(decodes))
+        return decodes + [(at, table, cached, row) for row in range(len(decodes), count)]
+    return decodes + [(i, table, cached, i) for i in range(offset, num_tokens)]
 
 
 def _prefill_span(table, start, n, offset, block_size, device) -> PrefillSpan:
@@ -178,16 +198,17 @@ def _prefill_span(table, start, n, offset, block_size, device) -> PrefillSpan:
 
 
 def _decode_tables(decodes, block_size: int, bucketed: bool):
-    """Padded block ids (B, M) and cached counts (B,) of ``(offset, table, cached)`` decodes."""
+    """Padded block ids (B, M) and cached counts (B,) of ``(offset, table, cached, first)``
+    decodes."""
     if not decodes:
         return torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
-    used = [blocks_for(cached + 1, block_size) for _, _, cached in decodes]  # incl. the new
+    used = [blocks_for(cached + 1, block_size) for _, _, cached, _ in decodes]  # incl. the new
     longest = max(used)
     if bucketed:
         longest = blocks_for(padded_length(longest * block_size), block_size)
     # Padding repeats the row's first block: any block in a table has been zeroed or written,
     # so it holds finite numbers (a NaN would survive its zero attention weight).
-    tables = [table for _, table, _ in decodes]
+    tables = [table for _, table, _, _ in decodes]
     padded = [table[:n] + [table[0]] * (longest - n) for table, n in zip(tables, used, strict=True)]
-    cached = torch.tensor([cached for _, _, cached in decodes], dtype=torch.long)  # (B,)
+    cached = torch.tensor([cached for _, _, cached, _ in decodes], dtype=torch.long)  # (B,)
     return torch.tensor(padded, dtype=torch.long), cached

@@ -82,8 +82,10 @@ class TritonBackend(AttentionBackend):
         *,
         trash_block: int | None = None,
         device: str | None = None,
+        groups: list[bool] | None = None,
     ) -> AttentionMetadata:
-        """See ``AttentionBackend.metadata``; with the prefill spans in one table too."""
+        """See ``AttentionBackend.metadata``; with the prefill spans in one table too. Its
+        decodes take no groups (``group_rows`` 0): a token and its drafts are a prefill span."""
         return AttentionMetadata.build(
             items,
             block_size=self.block_size,

@@ -10,7 +10,10 @@ included), with no Python between them. The attention is the worker's backend
 The graph never writes the cache. Each layer attends over its cached positions plus the new
 token's own k/v (``AttentionBackend.decode``), and returns the new K/V; one ``index_copy_``
 after the graph writes every layer's at once. A write inside the graph would make inductor copy
-the whole pool to keep the graph functional.
+the whole pool to keep the graph functional. A request verifying draft tokens is a group of
+rows over one cached context (``DecodeRows.first``): each row attends over the cached
+positions, then the new k/v of its group's rows up to its own, so a verification step runs in
+the same graphs as a decode step (where the backend's operator takes groups, ``group_rows``).
 
 Compiling takes minutes per graph, and a step meets one of two (batch 1; 2 to ``MAX_BATCH``: the
 4-bit linears choose their kernel by the rows at run time, in ``nanoserve::gguf_linear``, so
@@ -82,7 +85,8 @@ class CompiledDecode:
         )
 
     def accepts(self, meta: AttentionMetadata) -> bool:
-        """Whether this step runs compiled: decodes only, at most ``MAX_BATCH`` rows."""
+        """Whether this step runs compiled: decodes only (a token and its drafts included), at
+        most ``MAX_BATCH`` rows."""
         return not meta.prefills and meta.num_tokens <= MAX_BATCH
 
     def __call__(
@@ -92,7 +96,7 @@ class CompiledDecode:
         hidden states (B, hidden), with the new K/V written into the cache."""
         batch, blocks = input_ids.shape[0], meta.decodes.blocks  # blocks (B, M)
         cos, sin = rotary_cos_sin(self.model.inv_freq, positions, self.attention.dtype)
-        args = (input_ids, cos, sin, blocks, meta.decodes.cached)
+        args = (input_ids, cos, sin, blocks, meta.decodes.cached, meta.decodes.first)
         if batch > 1:  # one graph for every batch of 2..MAX_BATCH rows; batch 1 has its own
             for tensor in args:
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
@@ -136,18 +140,21 @@ class CompiledDecode:
             write_index=torch.full_like(ids, trash * self.cache.block_size),
             decode_tokens=None,
             decode_targets=None,
-            decodes=self.attention.decode_rows(blocks, torch.zeros_like(ids)),
+            decodes=self.attention.decode_rows(
+                blocks, torch.zeros_like(ids), torch.arange(batch, device=ids.device)
+            ),
             prefills=[],
             num_tokens=batch,
         )
         return ids, ids, meta
 
 
-def _decode_graph(model, decode, layers, input_ids, cos, sin, blocks, cached):
+def _decode_graph(model, decode, layers, input_ids, cos, sin, blocks, cached, first):
     """The traced step. input_ids (B,), cos/sin (B, 1, hd), blocks (B, M) the rows' padded block
-    ids, cached (B,) how many positions each row has cached -> hidden (B, hidden) and the new
+    ids, cached (B,) how many positions each row has cached, first (B,) the first row of each
+    row's group (a token and its drafts; a decode is its own) -> hidden (B, hidden) and the new
     K/V (num_layers, B, 2, n_kv, hd)."""
-    rows = decode.attention.decode_rows(blocks, cached)
+    rows = decode.attention.decode_rows(blocks, cached, first)
     x = model.model.embed_tokens(input_ids)  # (B, hidden)
     new_kv = []
     for index, layer in enumerate(model.model.layers):

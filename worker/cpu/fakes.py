@@ -14,7 +14,7 @@ def register_fakes(avx512: bool, bf16: bool, vnni: bool) -> None:
     ``avx512`` (``bf16``, ``vnni``) the others (see ``worker.cpu.kernels``)."""
 
     @torch.library.register_fake("nanoserve::decode_attention_f32")
-    def _(q, kv, layer, blocks, cached, block_size):
+    def _(q, kv, layer, blocks, cached, block_size, first=None):
         return q.new_empty(q.shape)
 
     @torch.library.register_fake("nanoserve::rms_norm_f32")
@@ -33,7 +33,7 @@ def register_fakes(avx512: bool, bf16: bool, vnni: bool) -> None:
         return
 
     @torch.library.register_fake("nanoserve::decode_attention")
-    def _(q, kv, layer, blocks, cached, block_size):
+    def _(q, kv, layer, blocks, cached, block_size, first=None):
         return q.new_empty(q.shape)
 
     if bf16:

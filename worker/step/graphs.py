@@ -1,7 +1,7 @@
 """``DecodeGraphs``: decode steps replayed from graphs captured at start (``cuda-graphs``).
 
 A decode step's work is fixed by two numbers: its rows, padded to a batch bucket
-(``worker.shapes.padded_count``, up to the slot count), and the widest block table it reads.
+(``graph_bucket``, up to the slot count), and the widest block table it reads.
 At start, one function per (bucket, width) runs the model over persistent input buffers, and
 the adapter captures it (``worker.step.graph_adapters``: a CUDA graph; on the CPU the function
 itself). A step that fits (decodes only, at most the biggest bucket, no row wider than the
@@ -69,7 +69,7 @@ class DecodeGraphs:
             trash_block=cache.trash_block,
             device=device,
         )
-        self.buckets = sorted({padded_count(n) for n in range(1, num_slots + 1)})
+        self.buckets = sorted({graph_bucket(n) for n in range(1, num_slots + 1)})
         contexts = GATHERED_CONTEXTS.get(plan.attention, (max_model_len,))
         widths = {blocks_for(min(c, max_model_len), bs) for c in contexts}
         self.widths = sorted(widths)
@@ -98,7 +98,7 @@ class DecodeGraphs:
             return None  # a prefill
         widest = blocks_for(max(item.start for item in items) + 1, self.cache.block_size)
         width = next((w for w in self.widths if w >= widest), None)
-        return None if width is None else (padded_count(len(items)), width)
+        return None if width is None else (graph_bucket(len(items)), width)
 
     def pack(self, pack: HostPack, items: list[StepItem], rows: list[Row], key: Key) -> None:
         """Add the step's rows padded to the key's bucket (``g.*``): their slots (the trash row
@@ -178,3 +178,10 @@ class DecodeGraphs:
         ids, positions = self.ids[:batch], self.positions[:batch]
         hidden = self.model(ids, positions, meta, self.cache, self.attention, self.ops)
         self.hidden[:batch].copy_(hidden)
+
+
+def graph_bucket(n: int) -> int:
+    """The captured batch a decode step of ``n`` rows replays: ``padded_count``'s, but 5 to 8
+    rows share the graph of 8 (a graph is captured per bucket and width, and on a GPU a few
+    padding rows cost next to nothing)."""
+    return padded_count(max(n, 8)) if n > 4 else n

@@ -73,7 +73,10 @@ class StepInputs:
         else:
             # Padding tokens (id 0 at position 0) fill the step up to its bucketed size
             # (worker.shapes); the metadata sends their K/V to the trash block.
-            inputs.meta = attention.metadata(spans, trash_block=trash_block, device="cpu")
+            groups = [item.num_draft > 0 for item in items]  # a token and its drafts
+            inputs.meta = attention.metadata(
+                spans, trash_block=trash_block, device="cpu", groups=groups
+            )
             add_tree(pack, "m", inputs.meta)
             padded = inputs.meta.num_tokens
         padding = padded - len(ids)

@@ -8,7 +8,8 @@
 //
 // Shapes: q (B, nq, hd), kv (B, 2, n_kv, hd) the new token's k and v, layer (2, n_kv, S, hd)
 // one layer of the pool, blocks (B, M) each row's block ids, cached (B,) how many positions
-// each row has cached -> out (B, nq, hd). q and kv may be strided views (of the qkv matmul's
+// each row has cached, first (B,) or none each row's group's first row (a request's draft
+// tokens: decode_common.h) -> out (B, nq, hd). q and kv may be strided views (of the qkv matmul's
 // output); their last dimension must be contiguous.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -49,6 +50,7 @@ inline __m512bh load_pairs(const c10::BFloat16* p) {
 struct Views {
   const c10::BFloat16 *q, *kv, *layer;
   const int64_t *blocks, *cached;
+  const int64_t* first;  // each row's group's first row, or null (see decode_common.h)
   c10::BFloat16* out;
   int64_t q_row, q_head, kv_row, kv_part, kv_head;  // strides, in elements
   int64_t layer_part, layer_head, blocks_row;
@@ -85,14 +87,16 @@ void attend(const Views& v, int64_t row, int64_t head, std::vector<float>& scrat
             const Later<c10::BFloat16>& later) {
   constexpr int W = G <= 4 ? 4 : (G <= 8 ? 8 : 16);
   constexpr int64_t kPerVector = 16 / W;  // positions per 16-float vector
-  const int64_t cached = v.cached[row], length = cached + 1;  // the new token last
+  const int64_t cached = v.cached[row];
+  const int64_t earlier = nanoserve_decode::earlier_in_group(v, row);
+  const int64_t length = cached + earlier + 1;  // the group's new tokens last, the row's own last
   const int64_t padded = (length + kPerVector - 1) / kPerVector * kPerVector;
   const float scale = 1.f / std::sqrt(static_cast<float>(C * 16));
   scratch.resize(W * padded);
   float* s = scratch.data();
   const c10::BFloat16* keys = v.layer + head * v.layer_head;
   const c10::BFloat16* values = keys + v.layer_part;
-  const c10::BFloat16* k_new = v.kv + row * v.kv_row + head * v.kv_head;
+  const c10::BFloat16* k_new = v.kv + (row - earlier) * v.kv_row + head * v.kv_head;
   const c10::BFloat16* v_new = k_new + v.kv_part;
   const int64_t* table = v.blocks + row * v.blocks_row;
   if (cached > 0)  // the first block: for_each_position prefetches the others
@@ -108,7 +112,7 @@ void attend(const Views& v, int64_t row, int64_t head, std::vector<float>& scrat
     for (int p = 0; p < P; ++p)
       q[g][p] = load_pairs<C>(v.q + row * v.q_row + (head * G + g) * v.q_head + p * 32);
   const __m128 scale4 = _mm_set1_ps(scale);
-  for_each_position(v, table, cached, keys, values, 0, k_new, later,
+  for_each_position(v, table, cached, keys, values, 0, k_new, earlier + 1, v.kv_row, later,
                     [&](int64_t t, const c10::BFloat16* key) {
     __m512 acc[W];
     for (int g = 0; g < W; ++g) acc[g] = _mm512_setzero_ps();
@@ -126,7 +130,7 @@ void attend(const Views& v, int64_t row, int64_t head, std::vector<float>& scrat
     for (int c = 0; c < C; ++c)
       q[g][c] = _mm512_mul_ps(load_bf16(v.q + row * v.q_row + (head * G + g) * v.q_head + c * 16),
                               _mm512_set1_ps(scale));
-  for_each_position(v, table, cached, keys, values, 0, k_new, later,
+  for_each_position(v, table, cached, keys, values, 0, k_new, earlier + 1, v.kv_row, later,
                     [&](int64_t t, const c10::BFloat16* key) {
     __m512 acc[W];
     for (int g = 0; g < W; ++g) acc[g] = _mm512_setzero_ps();
@@ -158,7 +162,7 @@ void attend(const Views& v, int64_t row, int64_t head, std::vector<float>& scrat
   __m512 out[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) out[g][c] = _mm512_setzero_ps();
-  for_each_position(v, table, cached, keys, values, 1, v_new, later,
+  for_each_position(v, table, cached, keys, values, 1, v_new, earlier + 1, v.kv_row, later,
                     [&](int64_t t, const c10::BFloat16* value) {
     for (int c = 0; c < C; ++c) {
       __m512 val = load_bf16(value + c * 16);
@@ -210,18 +214,19 @@ bool supported(int64_t head_dim, int64_t group) { return pick(head_dim, group) !
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& layer,
                             const at::Tensor& blocks, const at::Tensor& cached,
-                            int64_t block_size) {
+                            int64_t block_size, const std::optional<at::Tensor>& first) {
   nanoserve_decode::check_ranks("decode_attention", q, kv, layer, blocks, cached);
+  const int64_t* groups = nanoserve_decode::check_groups("decode_attention", first, q.size(0));
   const int64_t batch = q.size(0), nq = q.size(1), hd = q.size(2), n_kv = layer.size(1);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv.scalar_type() == at::kBFloat16 &&
                   layer.scalar_type() == at::kBFloat16,
               "decode_attention: q, kv and layer must be bfloat16");
   const int64_t work = nanoserve_decode::check_tables("decode_attention", q, kv, layer, blocks,
-                                                      cached, block_size, &supported);
+                                                      cached, block_size, &supported, groups);
   at::Tensor out = at::empty({batch, nq, hd}, q.options());
   Views v{q.data_ptr<c10::BFloat16>(), kv.data_ptr<c10::BFloat16>(),
           layer.data_ptr<c10::BFloat16>(), blocks.data_ptr<int64_t>(),
-          cached.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(),
+          cached.data_ptr<int64_t>(), groups, out.data_ptr<c10::BFloat16>(),
           q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2),
           layer.stride(0), layer.stride(1), blocks.stride(0),
           nq, n_kv, hd, block_size};
@@ -234,7 +239,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
 TORCH_LIBRARY(nanoserve, lib) {
   lib.def(
       "decode_attention(Tensor q, Tensor kv, Tensor layer, Tensor blocks, Tensor cached, "
-      "int block_size) -> Tensor");
+      "int block_size, Tensor? first=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nanoserve, CPU, lib) { lib.impl("decode_attention", &decode_attention); }

@@ -12,8 +12,9 @@
 //
 // Shapes: q (B, nq, hd), kv (B, 2, n_kv, hd) the new token's k and v, layer (2, n_kv, S, hd)
 // one layer of the pool, blocks (B, M) each row's block ids, cached (B,) how many positions
-// each row has cached -> out (B, nq, hd), all float32 but layer (float32 or float16), blocks and
-// cached (int64). q and kv may be strided views (of the qkv matmul's output); their last
+// each row has cached, first (B,) or none each row's group's first row (a request's draft tokens:
+// decode_common.h) -> out (B, nq, hd), all float32 but layer (float32 or float16), blocks,
+// cached and first (int64). q and kv may be strided views (of the qkv matmul's output); their last
 // dimension must be contiguous.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -44,6 +45,7 @@ struct Views {
   const float *q, *kv;
   const T* layer;
   const int64_t *blocks, *cached;
+  const int64_t* first;  // each row's group's first row, or null (see decode_common.h)
   float* out;
   int64_t q_row, q_head, kv_row, kv_part, kv_head;  // strides, in elements
   int64_t layer_part, layer_head, blocks_row;
@@ -67,14 +69,16 @@ void attend(const Views<T>& v, int64_t row, int64_t head, std::vector<float>& sc
             const Later<T>& later) {
   constexpr int W = G <= 4 ? 4 : 8;
   constexpr int64_t kPerVector = 8 / W;  // positions per 8-float vector
-  const int64_t cached = v.cached[row], length = cached + 1;  // the new token last
+  const int64_t cached = v.cached[row];
+  const int64_t earlier = nanoserve_decode::earlier_in_group(v, row);
+  const int64_t length = cached + earlier + 1;  // the group's new tokens last, the row's own last
   const int64_t padded = (length + kPerVector - 1) / kPerVector * kPerVector;
   const float scale = 1.f / std::sqrt(static_cast<float>(C * 8));
   scratch.resize(W * padded);
   float* s = scratch.data();
   const T* keys = v.layer + head * v.layer_head;
   const T* values = keys + v.layer_part;
-  const float* k_new = v.kv + row * v.kv_row + head * v.kv_head;
+  const float* k_new = v.kv + (row - earlier) * v.kv_row + head * v.kv_head;
   const float* v_new = k_new + v.kv_part;
   const int64_t* table = v.blocks + row * v.blocks_row;
   if (cached > 0)  // the first block: for_each_position prefetches the others
@@ -88,7 +92,7 @@ void attend(const Views<T>& v, int64_t row, int64_t head, std::vector<float>& sc
       q[g][c] = _mm256_mul_ps(
           _mm256_loadu_ps(v.q + row * v.q_row + (head * G + g) * v.q_head + c * 8),
           _mm256_set1_ps(scale));
-  for_each_position(v, table, cached, keys, values, 0, k_new, later,
+  for_each_position(v, table, cached, keys, values, 0, k_new, earlier + 1, v.kv_row, later,
                     [&](int64_t t, const auto* key) {
     __m256 acc[W];
     for (int g = 0; g < W; ++g) acc[g] = _mm256_setzero_ps();
@@ -119,7 +123,7 @@ void attend(const Views<T>& v, int64_t row, int64_t head, std::vector<float>& sc
   __m256 out[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) out[g][c] = _mm256_setzero_ps();
-  for_each_position(v, table, cached, keys, values, 1, v_new, later,
+  for_each_position(v, table, cached, keys, values, 1, v_new, earlier + 1, v.kv_row, later,
                     [&](int64_t t, const auto* value) {
     __m256 weight[G];
     for (int g = 0; g < G; ++g) weight[g] = _mm256_broadcast_ss(s + t * W + g);
@@ -170,10 +174,11 @@ bool supported(int64_t head_dim, int64_t group) { return pick<float>(head_dim, g
 
 template <typename T>
 Views<T> views(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& layer,
-               const at::Tensor& blocks, const at::Tensor& cached, at::Tensor& out,
-               int64_t block_size) {
+               const at::Tensor& blocks, const at::Tensor& cached, const int64_t* groups,
+               at::Tensor& out, int64_t block_size) {
   return Views<T>{q.data_ptr<float>(), kv.data_ptr<float>(), layer.data_ptr<T>(),
-                  blocks.data_ptr<int64_t>(), cached.data_ptr<int64_t>(), out.data_ptr<float>(),
+                  blocks.data_ptr<int64_t>(), cached.data_ptr<int64_t>(), groups,
+                  out.data_ptr<float>(),
                   q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2),
                   layer.stride(0), layer.stride(1), blocks.stride(0),
                   q.size(1), layer.size(1), q.size(2), block_size};
@@ -181,22 +186,26 @@ Views<T> views(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& laye
 
 at::Tensor decode_attention_f32(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& layer,
                                 const at::Tensor& blocks, const at::Tensor& cached,
-                                int64_t block_size) {
+                                int64_t block_size, const std::optional<at::Tensor>& first) {
   nanoserve_decode::check_ranks("decode_attention_f32", q, kv, layer, blocks, cached);
+  const int64_t* groups =
+      nanoserve_decode::check_groups("decode_attention_f32", first, q.size(0));
   const int64_t batch = q.size(0), nq = q.size(1), hd = q.size(2), n_kv = layer.size(1);
   TORCH_CHECK(q.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat &&
                   (layer.scalar_type() == at::kFloat || layer.scalar_type() == at::kHalf),
               "decode_attention_f32: q and kv must be float32, layer float32 or float16");
   const int64_t work = nanoserve_decode::check_tables("decode_attention_f32", q, kv, layer,
-                                                      blocks, cached, block_size, &supported);
+                                                      blocks, cached, block_size, &supported,
+                                                      groups);
   at::Tensor out = at::empty({batch, nq, hd}, q.options());
   const int64_t group = nq / n_kv;
   if (layer.scalar_type() == at::kHalf)
-    nanoserve_decode::run_tasks<c10::Half>(views<c10::Half>(q, kv, layer, blocks, cached, out,
-                                                            block_size),
+    nanoserve_decode::run_tasks<c10::Half>(views<c10::Half>(q, kv, layer, blocks, cached, groups,
+                                                            out, block_size),
                                            batch, work, pick<c10::Half>(hd, group));
   else
-    nanoserve_decode::run_tasks<float>(views<float>(q, kv, layer, blocks, cached, out, block_size),
+    nanoserve_decode::run_tasks<float>(views<float>(q, kv, layer, blocks, cached, groups, out,
+                                                    block_size),
                                        batch, work, pick<float>(hd, group));
   return out;
 }
@@ -206,7 +215,7 @@ at::Tensor decode_attention_f32(const at::Tensor& q, const at::Tensor& kv, const
 TORCH_LIBRARY_FRAGMENT(nanoserve, lib) {
   lib.def(
       "decode_attention_f32(Tensor q, Tensor kv, Tensor layer, Tensor blocks, Tensor cached, "
-      "int block_size) -> Tensor");
+      "int block_size, Tensor? first=None) -> Tensor");
   // Whether decode_attention_f32 takes this head_dim and number of query heads per KV head.
   lib.def("decode_attention_f32_supports(int head_dim, int group) -> bool", &supported);
 }

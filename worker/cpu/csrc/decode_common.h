@@ -6,7 +6,13 @@
 //
 // Shapes: q (B, nq, hd), kv (B, 2, n_kv, hd) the new token's k and v, layer (2, n_kv, S, hd)
 // one layer of the pool, blocks (B, M) each row's block ids, cached (B,) how many positions each
-// row has cached.
+// row has cached, first (B,) or none: the row whose new token each row's group begins with.
+//
+// Groups: a request verifying draft tokens has a row for each of its new tokens, at positions
+// cached, cached + 1, ..., all over the same cached context. Row r attends over its cached
+// positions, then over the new k/v of rows first[r] to r, in order: causal within the group,
+// which the pool cannot give since a compiled step writes no K/V until its graph is done.
+// Without first, each row is its own group (first[r] = r).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -15,6 +21,7 @@
 #include <xmmintrin.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 namespace nanoserve_decode {
@@ -45,8 +52,8 @@ inline void prefetch_row_l2(const T* p, int64_t hd) {
 }
 
 // Calls f(t, pointer to position t's row) for t = 0..cached-1 by blocks (no division per
-// position), then for the new token (``fresh``, in the query's dtype). ``phase`` 0 reads the
-// keys, 1 the values.
+// position), then for the group's new tokens (``fresh``, in the query's dtype: ``count`` rows
+// ``stride`` elements apart), at t = cached.. . ``phase`` 0 reads the keys, 1 the values.
 //
 // Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every block
 // boundary: while reading position i of block j this prefetches position i of the next block
@@ -57,8 +64,8 @@ inline void prefetch_row_l2(const T* p, int64_t hd) {
 // order), 310 -> 236 us (blocks shuffled).
 template <typename T, typename V, typename Fresh, typename F>
 inline void for_each_position(const V& v, const int64_t* table, int64_t cached, const T* keys,
-                              const T* values, int phase, const Fresh* fresh,
-                              const Later<T>& later, F&& f) {
+                              const T* values, int phase, const Fresh* fresh, int64_t count,
+                              int64_t stride, const Later<T>& later, F&& f) {
   const int64_t bs = v.block_size, hd = v.hd, used = (cached + bs - 1) / bs;
   const T* base = phase == 0 ? keys : values;
   const T* later_base = phase == 0 ? later.keys : later.values;
@@ -81,7 +88,28 @@ inline void for_each_position(const V& v, const int64_t* table, int64_t cached, 
     if (next)
       for (int64_t i = count; i < bs; ++i) prefetch_row(next + i * hd, hd);
   }
-  f(cached, fresh);
+  for (int64_t g = 0; g < count; ++g) f(cached + g, fresh + g * stride);
+}
+
+// How many rows before ``row`` its group holds (their new tokens come before its own).
+template <typename V>
+inline int64_t earlier_in_group(const V& v, int64_t row) {
+  return v.first ? row - v.first[row] : 0;
+}
+
+// The groups' first rows as a pointer for the kernel (null: no groups), after checking that
+// each row's group begins at or before it.
+inline const int64_t* check_groups(const char* op, const std::optional<at::Tensor>& first,
+                                   int64_t batch) {
+  if (!first.has_value()) return nullptr;
+  TORCH_CHECK(first->scalar_type() == at::kLong && first->dim() == 1 && first->size(0) == batch &&
+                  first->stride(0) == 1,
+              op, ": first must be contiguous int64 (B,)");
+  const int64_t* rows = first->data_ptr<int64_t>();
+  for (int64_t row = 0; row < batch; ++row)
+    TORCH_CHECK(rows[row] >= 0 && rows[row] <= row, op, ": row ", row, "'s group begins at row ",
+                rows[row]);
+  return rows;
 }
 
 // The ranks of the arguments, before anything reads their sizes.
@@ -101,7 +129,7 @@ inline void check_ranks(const char* op, const at::Tensor& q, const at::Tensor& k
 inline int64_t check_tables(const char* op, const at::Tensor& q, const at::Tensor& kv,
                             const at::Tensor& layer, const at::Tensor& blocks,
                             const at::Tensor& cached, int64_t block_size,
-                            bool (*supported)(int64_t, int64_t)) {
+                            bool (*supported)(int64_t, int64_t), const int64_t* first) {
   const int64_t batch = q.size(0), nq = q.size(1), hd = q.size(2), n_kv = layer.size(1);
   TORCH_CHECK(blocks.scalar_type() == at::kLong && cached.scalar_type() == at::kLong &&
                   blocks.stride(1) == 1 && cached.stride(0) == 1,
@@ -131,7 +159,7 @@ inline int64_t check_tables(const char* op, const at::Tensor& q, const at::Tenso
       TORCH_CHECK(id >= 0 && id < pool_blocks, op, ": row ", row, " names block ", id,
                   " of a pool of ", pool_blocks);
     }
-    positions += lengths[row] + 1;
+    positions += lengths[row] + 1 + (first ? row - first[row] : 0);
   }
   return positions * n_kv;
 }
