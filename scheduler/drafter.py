@@ -8,8 +8,10 @@ known tokens, which never change (a preemption keeps them), so it is never rolle
 
 ``DraftState`` adapts. A verification in flight keeps its request out of the next step (where
 that one starts depends on how many drafts are accepted), so in a busy batch a verification
-costs the request two steps, alone one; and a step with drafts costs more than a decode. So it
-keeps a moving average of the tokens each verification gained per step it cost the request,
+costs the request two steps, alone one; and a step with drafts costs more than a decode (on a
+CPU each draft is a row of 4-bit arithmetic; the scheduler measures the ratio from the worker's
+step times). So it keeps a moving average of the tokens each verification gained per decode
+step's worth of time it cost the request,
 and a request whose average falls under ``MIN_GAIN`` stops drafting for a pause that doubles up
 to ``MAX_PAUSE`` steps, then probes again. A lookup that finds nothing costs only the lookup
 (the request decodes plainly, with overlap).
@@ -25,7 +27,9 @@ from dataclasses import dataclass, field
 
 MIN_N = 2  # a 1-token match proposes too often and is accepted too rarely
 MAX_N = 4
-MIN_GAIN = 1.3  # tokens per step a request's verifications must average (a decode gains 1)
+# Tokens per decode step's worth of time a request's verifications must average (a decode
+# gains 1): a little over 1, so that a verification must pay for itself.
+MIN_GAIN = 1.1
 GAIN_WEIGHT = 0.3  # of the latest verification in the moving average
 FIRST_PAUSE = 8  # steps
 MAX_PAUSE = 256  # steps: the probe rate of a request whose drafts never land
@@ -90,10 +94,11 @@ class DraftState:
         """One step planned while paused."""
         self.pause -= 1
 
-    def verified(self, tokens: int) -> None:
+    def verified(self, tokens: int, cost: float = 1.0) -> None:
         """A verification gained ``tokens`` (its accepted drafts and its own token) for the
-        step it ran in and the steps planned without the request meanwhile."""
-        steps, self.skipped = 1 + self.skipped, 0
+        step it ran in, which cost ``cost`` decode steps (``Speculation.verification_cost``),
+        and the steps planned without the request meanwhile."""
+        steps, self.skipped = cost + self.skipped, 0
         self.gain += GAIN_WEIGHT * (tokens / steps - self.gain)
         if self.gain >= MIN_GAIN:
             self.next_pause = FIRST_PAUSE

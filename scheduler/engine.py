@@ -253,6 +253,10 @@ class Engine(EngineRequests, InProcessRuns):
         samples = {s.request_id: s for s in result.samples}
         outputs = []
         scheduler = self.scheduler
+        chunks = batch.chunks
+        if chunks and all(c.sample and c.num_tokens == 1 for c in chunks):
+            drafted = any(c.drafts for c in chunks)  # decodes only: what a verification costs
+            scheduler.speculation.observe(result.forward_s, drafted)
         is_current, on_sampled = scheduler.is_current, scheduler.on_sampled  # once, not per row
         for chunk in batch.chunks:
             if not chunk.sample or not is_current(chunk):

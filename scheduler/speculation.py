@@ -28,6 +28,8 @@ from __future__ import annotations
 from scheduler.drafter import DraftState
 from scheduler.request import Request
 
+STEP_WEIGHT = 0.2  # of the latest step in the moving averages of steps' worker time
+
 
 class Speculation:
     """The n-gram drafter's policy and counters, for one scheduler."""
@@ -37,6 +39,8 @@ class Speculation:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_tokens}")
         self.num_tokens = num_tokens  # the default k; a request's params may override it
         self.max_running = max_running  # no drafts while more requests run
+        self.plain_step_s: float | None = None  # decode steps' worker time, moving average
+        self.drafted_step_s: float | None = None  # the same of steps that verify drafts
         self.drafts_total = 0  # verifications
         self.draft_tokens_total = 0
         self.accepted_total = 0
@@ -112,8 +116,24 @@ class Speculation:
         self.draft_tokens_total += len(drafts)
         self.accepted_total += accepted
         if request.drafting is not None:
-            request.drafting.verified(accepted + 1)
+            request.drafting.verified(accepted + 1, self.verification_cost)
         return accepted
+
+    def observe(self, seconds: float, drafted: bool) -> None:
+        """A step of decodes (and verifications, ``drafted``) took the worker ``seconds``
+        (``StepResult.forward_s``): the moving averages behind ``verification_cost``."""
+        name = "drafted_step_s" if drafted else "plain_step_s"
+        old = getattr(self, name)
+        setattr(self, name, seconds if old is None else old + STEP_WEIGHT * (seconds - old))
+
+    @property
+    def verification_cost(self) -> float:
+        """What a step with drafts costs in steps without them, at least 1 (1 until both have
+        been seen): about 1 where the weights' streaming bounds a step (a GPU), 2 to 3 for 4
+        drafts on a 2-core CPU's 4-bit kernels, where each row adds its arithmetic."""
+        if self.plain_step_s is None or self.drafted_step_s is None:
+            return 1.0
+        return max(1.0, self.drafted_step_s / max(self.plain_step_s, 1e-9))
 
     def left_out(self, requests: list[Request]) -> None:
         """A step was planned without these requests, whose verifications are in flight."""

@@ -14,6 +14,7 @@ from scheduler.drafter import FIRST_PAUSE, MAX_PAUSE, DraftState, NgramIndex
 from scheduler.engine import Engine
 from scheduler.sim_worker import SimWorker
 from scheduler.soak import make_prompts, soak
+from scheduler.speculation import Speculation
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -282,3 +283,32 @@ def _projected(engine: Engine, worker: SimWorker):
     rewinds = list(engine.scheduler.pending_rewinds)
     steps = [*engine.in_flight, StepInput(step_id=-1, items=[], rewinds=rewinds)]
     return project_rows(worker.rows(), steps)
+
+
+def test_a_verification_is_charged_what_its_step_costs_against_a_decode() -> None:
+    """The cost is measured from the worker's step times: where a step with drafts takes 2.5
+    decode steps (a 2-core CPU's 4-bit rows), 2 tokens a verification lose time and pause;
+    where it costs what a decode costs (the weights' streaming bounds both), they pay."""
+    spec = Speculation(num_tokens=4)
+    assert spec.verification_cost == 1.0  # nothing measured yet
+    for _ in range(20):
+        spec.observe(0.004, drafted=False)
+        spec.observe(0.010, drafted=True)
+    assert spec.verification_cost == pytest.approx(2.5)
+    costly, cheap = DraftState(), DraftState()
+    for _ in range(20):
+        costly.verified(2, spec.verification_cost)
+        cheap.verified(2, 1.0)
+    assert costly.paused and not cheap.paused
+    spec.observe(0.001, drafted=True)  # never below 1: a verification is at least a step
+    spec.plain_step_s = 1.0
+    assert spec.verification_cost == 1.0
+
+
+def test_the_engine_measures_decode_steps_only() -> None:
+    engine, _ = _engine()
+    outs = engine.generate(make_prompts(3, 12, vocab_size=4, seed=3), GREEDY)
+    assert all(o.new_token_ids for o in outs)
+    spec = engine.scheduler.speculation
+    assert spec.plain_step_s is not None and spec.drafted_step_s is not None
+    assert spec.drafts_total > 0 and spec.verification_cost >= 1.0
