@@ -112,14 +112,10 @@ def scrape(url: str) -> dict[str, float]:
     """The server's /metrics as {name with its labels: value}."""
     import urllib.request
 
+    from nanoserve.bench.metrics import samples
+
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    found = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            found[name] = float(value)
-    return found
+        return samples(response.read().decode())
 
 
 async def kill_mid_stream(

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from nanoserve.bench.metrics import samples
+
 ROLES = ("scheduler", "worker", "frontend")
 
 
@@ -146,12 +148,7 @@ class Server:
         status, body = self.get("/metrics")
         if status != 200:
             raise RuntimeError(f"/metrics answered {status}")
-        values = {}
-        for line in body.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
+        return samples(body)
 
     def logs(self, tail: int = 40) -> str:
         """The last lines of every process's log."""

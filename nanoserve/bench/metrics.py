@@ -87,6 +87,16 @@ def summarize(
     }
 
 
+def samples(metrics_text: str) -> dict[str, float]:
+    """Every sample of a Prometheus text, as {name with its labels: value} (comments dropped)."""
+    found = {}
+    for line in metrics_text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            found[name] = float(value)
+    return found
+
+
 def scrape_counter(metrics_text: str, fragment: str) -> tuple[str, float] | None:
     """The first Prometheus counter or gauge whose name contains ``fragment``, summed over its
     label sets, as (name, value); None when the server exposes no such metric."""

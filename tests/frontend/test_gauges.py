@@ -10,19 +10,14 @@ import time
 
 import pytest
 
+from nanoserve.bench.metrics import samples
 from tests.frontend.conftest import Server
 
 PLAN = {"device": "cpu", "dtype": "float32", "attention": "cpu-kernels", "threads": "2"}
 
 
 async def _metrics(server: Server) -> dict[str, float]:
-    text = await (await server.http.get(server.url + "/metrics")).text()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
+    return samples(await (await server.http.get(server.url + "/metrics")).text())
 
 
 async def _wait_for(server: Server, name: str, value: float, timeout: float = 5.0) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from frontend.metric_series import COUNTED, MIRRORED
 from frontend.metrics import Metrics
+from nanoserve.bench.metrics import samples
 from protocol.messages import EngineStats
 
 # cache usage; counters; the decode path's Enum
@@ -30,19 +31,15 @@ def test_observe_stats_sets_each_series_from_its_field() -> None:
     metrics = Metrics()
     metrics.observe_stats(stats)
     metrics.observe_stats(stats)  # a running total is not counted twice
-    samples = {
-        line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
-        for line in metrics.render().decode().splitlines()
-        if line and not line.startswith("#")
-    }
+    rendered = samples(metrics.render().decode())
     for name, _, field in MIRRORED:
-        assert samples[name] == float(getattr(stats, field)), name
+        assert rendered[name] == float(getattr(stats, field)), name
     used, total = stats.kv_blocks_used, stats.kv_blocks_total
-    assert samples["nanoserve:kv_cache_usage_perc"] == used / total
+    assert rendered["nanoserve:kv_cache_usage_perc"] == used / total
     for name, _, field in COUNTED:
-        assert samples[f"{name}_total"] == float(getattr(stats, field)), name
+        assert rendered[f"{name}_total"] == float(getattr(stats, field)), name
     for reason, count in fallbacks.items():
-        assert samples[f'nanoserve:kv_pool_fallbacks_total{{reason="{reason}"}}'] == count
+        assert rendered[f'nanoserve:kv_pool_fallbacks_total{{reason="{reason}"}}'] == count
 
 
 def test_counters_never_fall_when_the_scheduler_restarts() -> None:
