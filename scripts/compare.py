@@ -32,6 +32,10 @@ with ignore_eos, greedy, streaming) at each ``--concurrency``, one server at a t
 without and with ``--speculative ngram`` and llama-server without drafts and with each
 ``--llama-spec-types`` n-gram kind, over ``--runs`` starts (``scripts/compare_repetitive.py``).
 
+``--workload overhead`` benches unrelated prompts (the shipped set, chat, and random ids) at
+each ``--concurrency``, nanoserve without and with ``--speculative ngram``, three servers each
+way, interleaved (``scripts/compare_overhead.py``).
+
 ``--workload multi-turn`` runs ``bench serve --dataset multi-turn`` instead (conversations that
 resend their whole history each turn, a shared system prompt, the server's replies fed back),
 against nanoserve with prefix caching on and off and against llama-server with its default
@@ -56,7 +60,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 
-import compare_repetitive  # noqa: E402 - after the path setup above
+import compare_overhead  # noqa: E402 - after the path setup above
+import compare_repetitive  # noqa: E402
 import noisy_neighbour  # noqa: E402
 from compare_servers import (  # noqa: E402
     build_llama_server,
@@ -190,6 +195,19 @@ def chat(url: str, max_tokens: int = 8) -> None:
         json.loads(response.read())
 
 
+def await_decode_path(server, wait: float) -> str:
+    """The worker's decode path once it is final (compiled, eager, graphs or failed; a
+    compiled worker first serves eagerly while its graphs load): a short request every 2 s
+    keeps steps, and so the worker's report, coming. At most ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while (path := decode_path(server.url)) not in ("compiled", "failed", "eager", "graphs"):
+        if time.monotonic() > deadline:
+            break
+        chat(server.url, max_tokens=2)
+        time.sleep(2)
+    return path
+
+
 def time_readme_start(server, label: str, compile_wait: float) -> dict:
     """Seconds from ``make serve`` to /health, to the first chat reply, and to compiled decode
     steps (a short request every 2 s keeps steps, and so the worker's report, coming)."""
@@ -209,13 +227,7 @@ def time_readme_start(server, label: str, compile_wait: float) -> dict:
     row["health_s"] = time.monotonic() - began
     chat(server.url)
     row["first_reply_s"] = time.monotonic() - began
-    deadline = time.monotonic() + compile_wait
-    while (path := decode_path(server.url)) not in ("compiled", "failed", "eager", "graphs"):
-        if time.monotonic() > deadline:
-            break
-        time.sleep(2)
-        chat(server.url, max_tokens=2)
-    row["decode_path"] = path
+    row["decode_path"] = path = await_decode_path(server, compile_wait)
     if path == "compiled":
         row["compiled_s"] = time.monotonic() - began
     print(format_table([row], START_COLUMNS), flush=True)
@@ -479,10 +491,11 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--workload",
-        choices=("throughput", "multi-turn", "repetitive"),
+        choices=("throughput", "multi-turn", "repetitive", "overhead"),
         default="throughput",
         help="throughput: random prompts at --concurrency; multi-turn: chat conversations; "
-        "repetitive: concurrency 1, speculative decoding on and off (and llama.cpp's n-grams)",
+        "repetitive: concurrency 1, speculative decoding on and off (and llama.cpp's n-grams); "
+        "overhead: speculation on and off on unrelated prompts, three servers each way",
     )
     parser.add_argument(
         "--llama-spec-types",
@@ -520,7 +533,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--waves", type=int, default=2, help="prompts per concurrent client")
-    parser.add_argument("--min-prompts", type=int, default=8)
+    parser.add_argument(
+        "--min-prompts",
+        type=int,
+        default=None,
+        help="prompts a run sends at least (default 8; repetitive 32, overhead 16: one "
+        "repetitive prompt's accepted share of tokens ranges from 6%% to 79%%)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="worker threads (nanoserve)")
     parser.add_argument(
         "--compile", action="store_true", help="also bench nanoserve with --compile, each dtype"
@@ -548,13 +567,36 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-nanoserve", action="store_true")
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: tmp)")
     parser.add_argument("--json", type=Path, help="write every row as JSON here")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.min_prompts is None:
+        args.min_prompts = {"repetitive": 32, "overhead": 16}.get(args.workload, 8)
+    return args
+
+
+def _settle(args):
+    """What a speculation workload does to a started nanoserve before it is timed: await its
+    final decode path, so that both ways are timed in their steady state, not partly while
+    one of them still loads its compiled graphs (9 to 17 s here, in the background)."""
+
+    def settle(server) -> None:
+        path = await_decode_path(server, args.compile_wait)
+        print(f"{server.name}: decode steps run {path}", flush=True)
+
+    return settle
 
 
 def main() -> int:
     args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="nanoserve-compare-"))
     logs = args.log_dir or work / "logs"
+    if args.workload == "overhead":
+        rows = compare_overhead.overhead_rows(args, work, logs, _settle(args))
+        print()
+        print(compare_overhead.table(rows))
+        print("\n".join(compare_overhead.verdicts(rows)))
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        return 0
     if args.workload == "repetitive":
         if args.with_llamacpp and args.llama_server is None:  # built before anything is timed
             args.llama_server, _ = build_llama_server(args.llama_cache)
@@ -563,6 +605,7 @@ def main() -> int:
             work,
             logs,
             lambda args, logs, extra: _llama_server(args, logs, slot_context=2048, extra=extra),
+            _settle(args),
         )
         print()
         print(compare_repetitive.table(rows))

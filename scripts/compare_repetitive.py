@@ -55,9 +55,10 @@ def bench_repetitive(url: str, args, out: Path) -> dict:
     return report
 
 
-def repetitive_rows(args, work: Path, logs: Path, llama_server) -> list[dict]:
+def repetitive_rows(args, work: Path, logs: Path, llama_server, settle=None) -> list[dict]:
     """Every start's rows; ``llama_server(args, logs, extra)`` starts llama-server with the
-    extra flags."""
+    extra flags, and ``settle(server)`` runs on each nanoserve before it is benched
+    (compare.py awaits its compiled decode steps)."""
     rows = []
     for run in range(1, args.runs + 1):
         if not args.skip_nanoserve:
@@ -65,6 +66,12 @@ def repetitive_rows(args, work: Path, logs: Path, llama_server) -> list[dict]:
                 env = {"NANOSERVE_SPECULATIVE": spec}
                 log_dir = logs / f"nanoserve-{spec}-run{run}"
                 server = start_nanoserve("auto", log_dir, args.threads, False, env)
+                if settle is not None:
+                    try:
+                        settle(server)
+                    except BaseException:
+                        server.stop()
+                        raise
                 rows.append(_bench(server, args, work, run, "nanoserve", spec))
         if args.with_llamacpp:
             for spec in ("off", *args.llama_spec_types):

@@ -207,12 +207,16 @@ def test_repetitive_runs_each_server_with_and_without_drafts(monkeypatch, tmp_pa
     argv += ["--llama-spec-types", "ngram-simple,ngram-mod"]
     monkeypatch.setattr(sys, "argv", argv)
     args = compare.parse_args()
-    rows = repetitive.repetitive_rows(args, tmp_path, tmp_path, llama)
+    rows = repetitive.repetitive_rows(
+        args, tmp_path, tmp_path, llama, lambda server: events.append(f"settle {server.url}")
+    )
     one = [
         "nanoserve auto off",
+        "settle nano-off",
         "bench nano-off",
         "stop nano-off",
         "nanoserve auto ngram",
+        "settle nano-ngram",
         "bench nano-ngram",
         "stop nano-ngram",
         "llama plain",
@@ -232,3 +236,67 @@ def test_repetitive_runs_each_server_with_and_without_drafts(monkeypatch, tmp_pa
     assert "acceptance length 3.20" in first
     assert "llama.cpp's best ngram-mod 4.0 ms (missed)" in first
     assert "| 1 | nanoserve | ngram | 5.0 |" in repetitive.table(rows)
+
+
+def test_overhead_interleaves_three_servers_each_way_and_holds_medians_to_the_bar(
+    monkeypatch, tmp_path
+):
+    """Servers in the order off, ngram, ngram, off, off, ngram, each benched on both datasets
+    at each concurrency; the verdicts compare the medians of output tok/s with the 3% bar."""
+    overhead = _load("compare_overhead")
+    events = []
+
+    class Stub:
+        def __init__(self, name: str) -> None:
+            self.url = name
+
+        def stop(self) -> None:
+            events.append(f"stop {self.url}")
+
+    def nanoserve(dtype, log_dir, threads, compile, env):
+        events.append(f"start {env['NANOSERVE_SPECULATIVE']}")
+        return Stub(env["NANOSERVE_SPECULATIVE"])
+
+    # tok/s by (speculation, dataset, concurrency): medians off 100 and 200, ngram 98 and 190
+    speeds = {
+        ("off", "shipped", 32): [100.0, 90.0, 120.0],
+        ("ngram", "shipped", 32): [98.0, 130.0, 80.0],
+        ("off", "shipped", 1): [200.0, 210.0, 150.0],
+        ("ngram", "shipped", 1): [190.0, 300.0, 100.0],
+    }
+    speeds |= {("off", "random", c): [50.0] * 3 for c in (32, 1)}
+    speeds |= {("ngram", "random", c): [60.0] * 3 for c in (32, 1)}
+
+    def bench(url, dataset, concurrency, args, out):
+        events.append(f"bench {url} {dataset} c{concurrency}")
+        return {"output_throughput": speeds[(url, dataset, concurrency)].pop(0)}
+
+    monkeypatch.setattr(overhead, "start_nanoserve", nanoserve)
+    monkeypatch.setattr(overhead, "bench_load", bench)
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--workload", "overhead"])
+    settle = lambda server: events.append(f"settle {server.url}")  # noqa: E731
+    rows = overhead.overhead_rows(compare.parse_args(), tmp_path, tmp_path, settle)
+    starts = [e.split()[1] for e in events if e.startswith("start")]
+    assert starts == ["off", "ngram", "ngram", "off", "off", "ngram"]
+    one = ["settle off", "bench off shipped c32", "bench off shipped c1", "bench off random c32"]
+    assert events[1:7] == [*one, "bench off random c1", "stop off"]
+    assert len(rows) == 6 * 4
+    lines = overhead.verdicts(rows)
+    assert lines[0] == (
+        "shipped c32: 98.0 tok/s with speculation, 100.0 without: 0.980x (met: bar 0.97x)"
+    )
+    assert lines[1] == (
+        "shipped c1: 190.0 tok/s with speculation, 200.0 without: 0.950x (missed: bar 0.97x)"
+    )
+    assert lines[2].endswith("1.200x (met: bar 0.97x)")
+    assert "| 1 | off | shipped | 32 | 100.0 |" in overhead.table(rows)
+
+
+@pytest.mark.parametrize(
+    ("workload", "prompts"), [("throughput", 8), ("repetitive", 32), ("overhead", 16)]
+)
+def test_each_workload_sends_its_own_least_number_of_prompts(monkeypatch, workload, prompts):
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--workload", workload])
+    assert compare.parse_args().min_prompts == prompts
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--workload", workload, "--min-prompts", "4"])
+    assert compare.parse_args().min_prompts == 4
