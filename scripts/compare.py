@@ -33,8 +33,8 @@ without and with ``--speculative ngram`` and llama-server without drafts and wit
 ``--llama-spec-types`` n-gram kind, over ``--runs`` starts (``scripts/compare_repetitive.py``).
 
 ``--workload overhead`` benches unrelated prompts (the shipped set, chat, and random ids) at
-each ``--concurrency``, nanoserve without and with ``--speculative ngram``, three servers each
-way, interleaved (``scripts/compare_overhead.py``).
+each ``--concurrency`` on nanoserve without and with ``--speculative ngram``, both up at once,
+in alternating rounds (``scripts/compare_overhead.py``).
 
 ``--workload multi-turn`` runs ``bench serve --dataset multi-turn`` instead (conversations that
 resend their whole history each turn, a shared system prompt, the server's replies fed back),
@@ -495,7 +495,7 @@ def parse_args() -> argparse.Namespace:
         default="throughput",
         help="throughput: random prompts at --concurrency; multi-turn: chat conversations; "
         "repetitive: concurrency 1, speculative decoding on and off (and llama.cpp's n-grams); "
-        "overhead: speculation on and off on unrelated prompts, three servers each way",
+        "overhead: speculation on and off on unrelated prompts, in alternating rounds",
     )
     parser.add_argument(
         "--llama-spec-types",

@@ -238,12 +238,13 @@ def test_repetitive_runs_each_server_with_and_without_drafts(monkeypatch, tmp_pa
     assert "| 1 | nanoserve | ngram | 5.0 |" in repetitive.table(rows)
 
 
-def test_overhead_interleaves_three_servers_each_way_and_holds_medians_to_the_bar(
+def test_overhead_alternates_both_servers_round_by_round_and_holds_paired_ratios_to_the_bar(
     monkeypatch, tmp_path
 ):
-    """Servers in the order off, ngram, ngram, off, off, ngram, each benched on both datasets
-    at each concurrency; the verdicts compare the medians of output tok/s with the 3% bar."""
+    """Both servers up and settled first; each round benches every load on both, back to back,
+    off first in odd rounds; the verdicts take the median of each round's ratio."""
     overhead = _load("compare_overhead")
+    monkeypatch.setattr(overhead, "ROUNDS", 3)
     events = []
 
     class Stub:
@@ -257,18 +258,20 @@ def test_overhead_interleaves_three_servers_each_way_and_holds_medians_to_the_ba
         events.append(f"start {env['NANOSERVE_SPECULATIVE']}")
         return Stub(env["NANOSERVE_SPECULATIVE"])
 
-    # tok/s by (speculation, dataset, concurrency): medians off 100 and 200, ngram 98 and 190
+    # tok/s by (speculation, dataset, concurrency), round by round
     speeds = {
         ("off", "shipped", 32): [100.0, 90.0, 120.0],
-        ("ngram", "shipped", 32): [98.0, 130.0, 80.0],
+        ("ngram", "shipped", 32): [98.0, 99.0, 60.0],  # ratios 0.98, 1.10, 0.50
         ("off", "shipped", 1): [200.0, 210.0, 150.0],
-        ("ngram", "shipped", 1): [190.0, 300.0, 100.0],
+        ("ngram", "shipped", 1): [190.0, 300.0, 100.0],  # ratios 0.95, 1.43, 0.67
     }
     speeds |= {("off", "random", c): [50.0] * 3 for c in (32, 1)}
     speeds |= {("ngram", "random", c): [60.0] * 3 for c in (32, 1)}
+    seeds = []
 
-    def bench(url, dataset, concurrency, args, out):
+    def bench(url, dataset, concurrency, seed, args, out):
         events.append(f"bench {url} {dataset} c{concurrency}")
+        seeds.append(seed)
         return {"output_throughput": speeds[(url, dataset, concurrency)].pop(0)}
 
     monkeypatch.setattr(overhead, "start_nanoserve", nanoserve)
@@ -276,19 +279,17 @@ def test_overhead_interleaves_three_servers_each_way_and_holds_medians_to_the_ba
     monkeypatch.setattr(sys, "argv", ["compare.py", "--workload", "overhead"])
     settle = lambda server: events.append(f"settle {server.url}")  # noqa: E731
     rows = overhead.overhead_rows(compare.parse_args(), tmp_path, tmp_path, settle)
-    starts = [e.split()[1] for e in events if e.startswith("start")]
-    assert starts == ["off", "ngram", "ngram", "off", "off", "ngram"]
-    one = ["settle off", "bench off shipped c32", "bench off shipped c1", "bench off random c32"]
-    assert events[1:7] == [*one, "bench off random c1", "stop off"]
-    assert len(rows) == 6 * 4
+    assert events[:4] == ["start off", "settle off", "start ngram", "settle ngram"]
+    assert events[4:6] == ["bench off shipped c32", "bench ngram shipped c32"]
+    assert events[12:14] == ["bench ngram shipped c32", "bench off shipped c32"]  # round 2
+    assert events[-2:] == ["stop off", "stop ngram"]
+    assert seeds == [1] * 8 + [2] * 8 + [3] * 8  # each round its own prompts, both the same
+    assert len(rows) == 3 * 8
     lines = overhead.verdicts(rows)
-    assert lines[0] == (
-        "shipped c32: 98.0 tok/s with speculation, 100.0 without: 0.980x (met: bar 0.97x)"
-    )
-    assert lines[1] == (
-        "shipped c1: 190.0 tok/s with speculation, 200.0 without: 0.950x (missed: bar 0.97x)"
-    )
-    assert lines[2].endswith("1.200x (met: bar 0.97x)")
+    assert lines[0].startswith("shipped c32: median of 3 rounds' ratios 0.980x (met: bar 0.97x)")
+    assert lines[0].endswith("ratios 0.98, 1.10, 0.50")
+    assert lines[1].startswith("shipped c1: median of 3 rounds' ratios 0.950x (missed")
+    assert "1.200x (met" in lines[2]
     assert "| 1 | off | shipped | 32 | 100.0 |" in overhead.table(rows)
 
 
