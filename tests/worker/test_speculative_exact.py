@@ -173,3 +173,21 @@ def test_rejection_sampling_leaves_the_distribution_unchanged(tiny_dir) -> None:
     assert statistic < critical, (statistic, critical)
     statistic, critical = _chi_square_passes(second, p1, first[d1])
     assert statistic < critical, (statistic, critical)
+
+
+def test_the_chi_square_rejects_a_sampler_that_favours_the_draft() -> None:
+    """The check above can fail: 1024 draws from a top-8 distribution pass it, and the same
+    draws pass no more once a draft is kept half of the times it was rejected (a sampler that
+    accepted drafts with probability p(d) + (1 - p(d)) / 2, not p(d))."""
+    generator = torch.Generator().manual_seed(0)
+    probs = _top_k_probs(torch.randn(32, generator=generator), 8)
+    draft = probs.argsort(descending=True)[1].item()
+    n = 1024
+    draws = torch.multinomial(probs, n, replacement=True, generator=generator).tolist()
+    coins = torch.rand(n, generator=generator).tolist()
+    right = Counter(draws)
+    wrong = Counter(draft if coin < 0.5 else t for t, coin in zip(draws, coins, strict=True))
+    statistic, critical = _chi_square_passes(right, probs, n)
+    assert statistic < critical, (statistic, critical)
+    statistic, critical = _chi_square_passes(wrong, probs, n)
+    assert statistic > critical, (statistic, critical)
