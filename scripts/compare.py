@@ -65,6 +65,7 @@ import compare_repetitive  # noqa: E402
 import noisy_neighbour  # noqa: E402
 from compare_servers import (  # noqa: E402
     build_llama_server,
+    markdown_table,
     start_as_readme,
     start_llama_server,
     start_nanoserve,
@@ -476,15 +477,7 @@ def transformers_rows(args: argparse.Namespace) -> list[dict]:
 
 def format_table(rows: list[dict], columns: tuple = COLUMNS) -> str:
     """A Markdown table; cells a server does not report read ``-``."""
-    lines = ["| " + " | ".join(title for title, _, _ in columns) + " |"]
-    lines.append("|" + "---|" * len(columns))
-    for row in rows:
-        cells = []
-        for _, key, fmt in columns:
-            value = row.get(key)
-            cells.append("-" if value is None else fmt.format(value))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return markdown_table(rows, columns)
 
 
 def parse_args() -> argparse.Namespace:
@@ -585,18 +578,23 @@ def _settle(args):
     return settle
 
 
+def _report(args, rows: list[dict], table: str, verdicts: list[str]) -> int:
+    """Print a speculation workload's table and verdicts; its rows to ``--json``."""
+    print()
+    print(table)
+    print("\n".join(verdicts))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
 def main() -> int:
     args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="nanoserve-compare-"))
     logs = args.log_dir or work / "logs"
     if args.workload == "overhead":
         rows = compare_overhead.overhead_rows(args, work, logs, _settle(args))
-        print()
-        print(compare_overhead.table(rows))
-        print("\n".join(compare_overhead.verdicts(rows)))
-        if args.json:
-            args.json.write_text(json.dumps(rows, indent=2) + "\n")
-        return 0
+        return _report(args, rows, compare_overhead.table(rows), compare_overhead.verdicts(rows))
     if args.workload == "repetitive":
         if args.with_llamacpp and args.llama_server is None:  # built before anything is timed
             args.llama_server, _ = build_llama_server(args.llama_cache)
@@ -607,12 +605,8 @@ def main() -> int:
             lambda args, logs, extra: _llama_server(args, logs, slot_context=2048, extra=extra),
             _settle(args),
         )
-        print()
-        print(compare_repetitive.table(rows))
-        print("\n".join(compare_repetitive.verdicts(rows)))
-        if args.json:
-            args.json.write_text(json.dumps(rows, indent=2) + "\n")
-        return 0
+        table = compare_repetitive.table(rows)
+        return _report(args, rows, table, compare_repetitive.verdicts(rows))
     if args.workload == "multi-turn":
         rows = multi_turn_rows(args, work, logs)
         print()

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from compare_servers import start_nanoserve
+from compare_servers import markdown_row, markdown_table, start_nanoserve
 
 WAYS = ("off", "ngram")
 ROUNDS = 5
@@ -89,7 +89,7 @@ def overhead_rows(args, work: Path, logs: Path, settle=None) -> list[dict]:
                         row = {**report, "round": round_, "speculative": spec}
                         row.update(dataset=dataset, concurrency=concurrency)
                         rows.append(row)
-                        print(row_line(row), flush=True)
+                        print(markdown_row(row, COLUMNS), flush=True)
         return rows
     finally:
         for server in servers.values():
@@ -127,16 +127,6 @@ def verdicts(rows: list[dict]) -> list[str]:
     return lines
 
 
-def row_line(row: dict) -> str:
-    """One row as a Markdown table row of ``COLUMNS``."""
-    cells = []
-    for _, key, fmt in COLUMNS:
-        value = row.get(key)
-        cells.append("-" if value is None else fmt.format(value))
-    return "| " + " | ".join(cells) + " |"
-
-
 def table(rows: list[dict]) -> str:
     """The rows as one Markdown table."""
-    head = "| " + " | ".join(title for title, _, _ in COLUMNS) + " |"
-    return "\n".join([head, "|" + "---|" * len(COLUMNS), *(row_line(r) for r in rows)])
+    return markdown_table(rows, COLUMNS)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from compare_servers import start_nanoserve
+from compare_servers import markdown_row, markdown_table, start_nanoserve
 
 LLAMA_SPEC_TYPES = "ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,ngram-cache"
 
@@ -88,17 +88,8 @@ def _bench(server, args, work: Path, run: int, name: str, spec: str) -> dict:
     finally:
         server.stop()
     row = {**report, "server": name, "speculative": spec, "run": run}
-    print(row_line(row), flush=True)
+    print(markdown_row(row, COLUMNS), flush=True)
     return row
-
-
-def row_line(row: dict) -> str:
-    """One row as a Markdown table row of ``COLUMNS``."""
-    cells = []
-    for _, key, fmt in COLUMNS:
-        value = row.get(key)
-        cells.append("-" if value is None else fmt.format(value))
-    return "| " + " | ".join(cells) + " |"
 
 
 def verdicts(rows: list[dict]) -> list[str]:
@@ -135,5 +126,4 @@ def verdicts(rows: list[dict]) -> list[str]:
 
 def table(rows: list[dict]) -> str:
     """The rows as one Markdown table."""
-    head = "| " + " | ".join(title for title, _, _ in COLUMNS) + " |"
-    return "\n".join([head, "|" + "---|" * len(COLUMNS), *(row_line(r) for r in rows)])
+    return markdown_table(rows, COLUMNS)

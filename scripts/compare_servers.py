@@ -26,6 +26,22 @@ ROLES = ("scheduler", "worker", "frontend")
 REPO = Path(__file__).resolve().parent.parent
 
 
+def markdown_row(row: dict, columns: tuple) -> str:
+    """One row as a Markdown table row of ``columns`` ((title, key, format) each); cells the
+    row lacks read ``-``."""
+    cells = []
+    for _, key, fmt in columns:
+        value = row.get(key)
+        cells.append("-" if value is None else fmt.format(value))
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown_table(rows: list[dict], columns: tuple) -> str:
+    """The rows as one Markdown table of ``columns``."""
+    head = "| " + " | ".join(title for title, _, _ in columns) + " |"
+    return "\n".join([head, "|" + "---|" * len(columns), *(markdown_row(r, columns) for r in rows)])
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as probe:

@@ -178,20 +178,13 @@ def test_repetitive_runs_each_server_with_and_without_drafts(monkeypatch, tmp_pa
     repetitive = _load("compare_repetitive")
     events = []
 
-    class Stub:
-        def __init__(self, name: str) -> None:
-            self.url = name
-
-        def stop(self) -> None:
-            events.append(f"stop {self.url}")
-
     def nanoserve(dtype, log_dir, threads, compile, env):
         events.append(f"nanoserve {dtype} {env['NANOSERVE_SPECULATIVE']}")
-        return Stub(f"nano-{env['NANOSERVE_SPECULATIVE']}")
+        return _Stub(f"nano-{env['NANOSERVE_SPECULATIVE']}", events)
 
     def llama(args, logs, extra):
         events.append(f"llama {' '.join(extra) or 'plain'}")
-        return Stub(f"llama-{extra[-1] if extra else 'off'}")
+        return _Stub(f"llama-{extra[-1] if extra else 'off'}", events)
 
     itl = {"nano-off": 10.0, "nano-ngram": 5.0, "llama-off": 9.0}
     itl |= {"llama-ngram-simple": 6.0, "llama-ngram-mod": 4.0}
@@ -247,16 +240,9 @@ def test_overhead_alternates_both_servers_round_by_round_and_holds_paired_ratios
     monkeypatch.setattr(overhead, "ROUNDS", 3)
     events = []
 
-    class Stub:
-        def __init__(self, name: str) -> None:
-            self.url = name
-
-        def stop(self) -> None:
-            events.append(f"stop {self.url}")
-
     def nanoserve(dtype, log_dir, threads, compile, env):
         events.append(f"start {env['NANOSERVE_SPECULATIVE']}")
-        return Stub(env["NANOSERVE_SPECULATIVE"])
+        return _Stub(env["NANOSERVE_SPECULATIVE"], events)
 
     # tok/s by (speculation, dataset, concurrency), round by round
     speeds = {
