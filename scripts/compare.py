@@ -64,6 +64,7 @@ import compare_overhead  # noqa: E402 - after the path setup above
 import compare_repetitive  # noqa: E402
 import noisy_neighbour  # noqa: E402
 from compare_servers import (  # noqa: E402
+    bench_serve,
     build_llama_server,
     markdown_table,
     start_as_readme,
@@ -437,18 +438,12 @@ def bench(url: str, concurrency: int, args: argparse.Namespace, out: Path, seed:
     """One ``nanoserve bench serve`` run; its JSON report, flattened for the table. Runs on one
     server with the same ``seed`` send the same prompts: the later ones find them cached."""
     prompts = max(concurrency * args.waves, args.min_prompts)
-    command = [sys.executable, "-m", "nanoserve.cli", "bench", "serve", "--base-url", url]
-    command += ["--max-concurrency", str(concurrency), "--num-prompts", str(prompts)]
-    command += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
-    command += ["--num-warmups", "2", "--seed", str(seed), "--json", str(out)]
-    with open(out.with_suffix(".log"), "w") as log:  # the full vLLM-style report, kept aside
-        try:
-            subprocess.run(
-                command, check=True, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout
-            )
-        except subprocess.TimeoutExpired:  # a server that collapsed: say so, and go on
-            return {"failed": f"not done in {args.timeout:.0f} s"}
-    report = json.loads(out.read_text())
+    flags = ["--max-concurrency", str(concurrency), "--num-prompts", str(prompts)]
+    flags += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    flags += ["--num-warmups", "2", "--seed", str(seed)]
+    report = bench_serve(url, flags, out, args.timeout)
+    if report is None:
+        return {"failed": f"not done in {args.timeout:.0f} s"}
     for key in ("ttft", "itl", "tpot"):
         report[f"{key}_median"] = report[f"{key}_ms"]["median"]
         report[f"{key}_p99"] = report[f"{key}_ms"]["p99"]

@@ -18,13 +18,10 @@ output tokens per second over its absence's): concurrency 1 at most 3% slower an
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-from compare_servers import markdown_row, markdown_table, start_nanoserve
+from compare_servers import bench_serve, markdown_row, markdown_table, start_nanoserve
 
 WAYS = ("off", "ngram")
 ROUNDS = 5
@@ -47,21 +44,14 @@ COLUMNS = (
 def bench_load(url: str, dataset: str, concurrency: int, seed: int, args, out: Path) -> dict:
     """One ``bench serve`` run of ``dataset`` at ``concurrency``; its report, flattened."""
     prompts = max(concurrency * args.waves, args.min_prompts)
-    command = [sys.executable, "-m", "nanoserve.cli", "bench", "serve", "--base-url", url]
-    command += ["--dataset", dataset, "--max-concurrency", str(concurrency)]
-    command += ["--num-prompts", str(prompts), "--num-warmups", "2", "--seed", str(seed)]
-    command += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    flags = ["--dataset", dataset, "--max-concurrency", str(concurrency)]
+    flags += ["--num-prompts", str(prompts), "--num-warmups", "2", "--seed", str(seed)]
+    flags += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     if dataset == "shipped":
-        command += ["--endpoint-type", "chat"]
-    command += ["--json", str(out)]
-    with open(out.with_suffix(".log"), "w") as log:
-        try:
-            subprocess.run(
-                command, check=True, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout
-            )
-        except subprocess.TimeoutExpired:
-            return {"failed": f"not done in {args.timeout:.0f} s"}
-    report = json.loads(out.read_text())
+        flags += ["--endpoint-type", "chat"]
+    report = bench_serve(url, flags, out, args.timeout)
+    if report is None:
+        return {"failed": f"not done in {args.timeout:.0f} s"}
     report["tpot_median"] = report["tpot_ms"]["median"]
     return report
 

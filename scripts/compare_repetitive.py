@@ -11,12 +11,9 @@ llama-server's n-gram kinds; the acceptance length is nanoserve's (from its /met
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from compare_servers import markdown_row, markdown_table, start_nanoserve
+from compare_servers import bench_serve, markdown_row, markdown_table, start_nanoserve
 
 LLAMA_SPEC_TYPES = "ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,ngram-cache"
 
@@ -35,19 +32,12 @@ COLUMNS = (
 
 def bench_repetitive(url: str, args, out: Path) -> dict:
     """One ``bench serve --dataset repetitive`` run at concurrency 1; its report, flattened."""
-    command = [sys.executable, "-m", "nanoserve.cli", "bench", "serve", "--base-url", url]
-    command += ["--endpoint-type", "chat", "--dataset", "repetitive", "--max-concurrency", "1"]
-    command += ["--num-prompts", str(args.min_prompts), "--num-warmups", "1"]
-    command += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
-    command += ["--json", str(out)]
-    with open(out.with_suffix(".log"), "w") as log:
-        try:
-            subprocess.run(
-                command, check=True, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout
-            )
-        except subprocess.TimeoutExpired:
-            return {"failed": f"not done in {args.timeout:.0f} s"}
-    report = json.loads(out.read_text())
+    flags = ["--endpoint-type", "chat", "--dataset", "repetitive", "--max-concurrency", "1"]
+    flags += ["--num-prompts", str(args.min_prompts), "--num-warmups", "1"]
+    flags += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    report = bench_serve(url, flags, out, args.timeout)
+    if report is None:
+        return {"failed": f"not done in {args.timeout:.0f} s"}
     for key in ("itl", "tpot"):
         report[f"{key}_median"] = report[f"{key}_ms"]["median"]
     drafted, accepted = report.get("spec_draft_tokens"), report.get("spec_accepted_tokens")

@@ -8,6 +8,7 @@ llama.cpp's whole source tree, ``tools/server`` included, and cmake builds just 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -24,6 +25,22 @@ from pathlib import Path
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 ROLES = ("scheduler", "worker", "frontend")
 REPO = Path(__file__).resolve().parent.parent
+
+
+def bench_serve(url: str, flags: list[str], out: Path, timeout: float) -> dict | None:
+    """One ``nanoserve bench serve --base-url url ...flags --json out`` run, its full report
+    kept beside ``out`` (``.log``): the JSON report, or None when it took over ``timeout``
+    seconds (a server that collapsed: the caller says so, and goes on)."""
+    command = [sys.executable, "-m", "nanoserve.cli", "bench", "serve", "--base-url", url]
+    command += [*flags, "--json", str(out)]
+    with open(out.with_suffix(".log"), "w") as log:
+        try:
+            subprocess.run(
+                command, check=True, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            return None
+    return json.loads(out.read_text())
 
 
 def markdown_row(row: dict, columns: tuple) -> str:

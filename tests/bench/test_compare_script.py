@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -287,3 +288,30 @@ def test_each_workload_sends_its_own_least_number_of_prompts(monkeypatch, worklo
     assert compare.parse_args().min_prompts == prompts
     monkeypatch.setattr(sys, "argv", ["compare.py", "--workload", workload, "--min-prompts", "4"])
     assert compare.parse_args().min_prompts == 4
+
+
+def test_a_bench_run_passes_its_flags_and_says_when_it_timed_out(monkeypatch, tmp_path):
+    """compare_servers.bench_serve runs ``bench serve`` with the workload's flags and its JSON
+    path; the workloads flatten its report, and a run past the timeout reads as failed."""
+    overhead = _load("compare_overhead")
+    commands = []
+
+    def run(command, timeout, **_):
+        commands.append(command)
+        if timeout < 1:
+            raise subprocess.TimeoutExpired(command, timeout)
+        report = {"output_throughput": 5.0, "tpot_ms": {"median": 2.0}}
+        Path(command[command.index("--json") + 1]).write_text(json.dumps(report))
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--workload", "overhead"])
+    args = compare.parse_args()
+    report = overhead.bench_load("http://h", "shipped", 1, 3, args, tmp_path / "r.json")
+    assert report["tpot_median"] == 2.0 and report["output_throughput"] == 5.0
+    command = commands[0]
+    assert command[command.index("--base-url") + 1] == "http://h"
+    assert command[command.index("--seed") + 1] == "3" and "--endpoint-type" in command
+    args.timeout = 0.5
+    failed = overhead.bench_load("http://h", "random", 1, 3, args, tmp_path / "s.json")
+    assert failed == {"failed": "not done in 0 s"}
+    assert (tmp_path / "s.log").exists()  # the run's output is kept even when it failed
